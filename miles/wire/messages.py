@@ -1,0 +1,225 @@
+"""Every message that crosses a process boundary, as msgspec Structs in one tagged union.
+
+Design decisions:
+- Every message subclasses `Message` (tagged; the tag is the class name, in the field `type`).
+  Subclassing registers the class, so a user's actor can define its own messages and the decoder
+  learns them; two classes with one tag are refused at import time.
+- Numeric arrays are plain `numpy.ndarray` fields. The codec moves them as raw frames beside the
+  msgpack body (zero copy both ways); they are never msgpack lists.
+- `Sample` follows slime's layout, which RL users know: `tokens` is prompt + response, the response
+  is the last `response_length` tokens, and the per-token fields (`loss_mask`, `rollout_logprobs`)
+  cover the response only. Version spans are half-open index ranges into the response.
+- Nothing here imports anything of ours: `wire/` is the bottom of the dependency graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+_REGISTRY: dict[str, type["Message"]] = {}
+
+
+class Message(msgspec.Struct, tag=True, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    """Base of every wire message. Subclasses are registered by tag (the class name)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        tag = cls.__name__  # tag=True tags a struct with its class name
+        prior = _REGISTRY.get(tag)
+        if prior is not None and prior is not cls and (prior.__module__, prior.__qualname__) != (
+                cls.__module__, cls.__qualname__):
+            raise TypeError(f"message tag {tag!r} of {cls.__module__}.{cls.__qualname__} is already "
+                            f"used by {prior.__module__}.{prior.__qualname__}")
+        _REGISTRY[tag] = cls
+
+
+def registered_messages() -> dict[str, type[Message]]:
+    return dict(_REGISTRY)
+
+
+# ---------------------------------------------------------------------------------------------
+# Envelope: decoded before the body, so a peer of another protocol version is refused up front.
+
+Kind = Literal["call", "tell", "reply", "error", "stream_open", "stream_item", "stream_credit",
+               "stream_end", "stream_close"]
+
+
+class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    v: int                      # protocol version
+    kind: str                   # one of Kind
+    id: int = 0                 # call id / stream id, chosen by the caller
+    sender: str = ""            # actor or client name, for error messages and logs
+    n_arrays: int = 0           # raw frames after the body
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic control messages
+
+class Ok(Message):
+    detail: str = ""
+
+
+class ErrorReply(Message):
+    """A handler raised or a frame was refused; carries the remote error for the caller."""
+    error_type: str
+    message: str
+    actor: str = ""
+    retryable: bool = False
+
+
+class Ping(Message):
+    payload: bytes = b""
+
+
+class Pong(Message):
+    payload: bytes = b""
+    actor: str = ""
+    incarnation: int = 0
+
+
+class GetMetrics(Message):
+    pass
+
+
+class Metrics(Message):
+    actor: str
+    values: dict[str, float] = {}
+
+
+class Shutdown(Message):
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry (head node): name -> endpoint, liveness via heartbeats
+
+class Register(Message):
+    name: str
+    endpoint: str
+    pid: int = 0
+    node_rank: int = 0
+    incarnation: int = 0
+
+
+class Unregister(Message):
+    name: str
+    incarnation: int = 0
+
+
+class Heartbeat(Message):
+    name: str
+    incarnation: int = 0
+    loop_lag_ms: float = 0.0
+
+
+class Lookup(Message):
+    name: str
+    wait_s: float = 0.0         # > 0: wait up to this long for the name to appear (wait-for)
+
+
+class ActorInfo(Message):
+    name: str
+    endpoint: str = ""
+    alive: bool = False
+    incarnation: int = 0
+    pid: int = 0
+    node_rank: int = 0
+    last_seen_s: float = 0.0    # seconds since the last heartbeat
+
+
+class ListActors(Message):
+    pass
+
+
+class ActorList(Message):
+    actors: list[ActorInfo] = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams: bulk data with credit-based backpressure
+
+class StreamOpen(Message):
+    topic: str
+    credits: int = 0            # filled in by the receiver's first credit grant
+
+
+class StreamSummary(Message):
+    """The receiver's answer when a stream ends: what it got, so the sender can verify."""
+    topic: str
+    items: int
+    nbytes: int = 0
+    checksum: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# RL data
+
+SampleStatus = Literal["pending", "completed", "truncated", "aborted", "failed"]
+
+
+class VersionSpan(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Response tokens [start, end) were generated under weight `version`."""
+    version: int
+    start: int
+    end: int
+
+
+class Sample(Message):
+    tokens: np.ndarray                          # int32, prompt + response
+    response_length: int = 0
+    loss_mask: np.ndarray | None = None         # uint8 over the response: 1 = trained on
+    rollout_logprobs: np.ndarray | None = None  # float32 over the response
+    weight_versions: list[VersionSpan] = []
+    reward: float | dict[str, float] | None = None
+    status: SampleStatus = "pending"
+    routed_experts: np.ndarray | None = None    # int32 (len(tokens)-1, layers, top_k) for R3
+    group_id: str = ""
+    rollout_id: str = ""                        # siblings of one trajectory tree share it
+    index: int = 0                              # position inside its group
+    prompt: str | list[dict[str, Any]] = ""     # text or chat messages, as the data source gave it
+    label: str | None = None
+    response: str = ""                          # decoded response text (for reward functions)
+    metadata: dict[str, Any] = {}
+
+    RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = ("loss_mask", "rollout_logprobs")
+
+    @property
+    def prompt_length(self) -> int:
+        return int(len(self.tokens)) - self.response_length
+
+    @property
+    def response_ids(self) -> np.ndarray:
+        return self.tokens[self.prompt_length:]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when the per-token fields disagree in length."""
+        n = int(len(self.tokens))
+        if not 0 <= self.response_length <= n:
+            raise ValueError(f"Sample.response_length: {self.response_length} outside [0, {n}] "
+                             f"(len(tokens)={n})")
+        for field in self.RESPONSE_FIELDS:
+            arr = getattr(self, field)
+            if arr is not None and len(arr) != self.response_length:
+                raise ValueError(f"Sample.{field}: length {len(arr)} != response_length "
+                                 f"{self.response_length}")
+        for span in self.weight_versions:
+            if not 0 <= span.start <= span.end <= self.response_length:
+                raise ValueError(f"Sample.weight_versions: span {span} outside the response "
+                                 f"[0, {self.response_length})")
+
+
+class SampleBatch(Message):
+    samples: list[Sample]
+
+
+class Group(Message):
+    """The samples generated for one prompt; the unit the buffer and the trainer see."""
+    group_id: str
+    samples: list[Sample]
+    prompt_index: int = 0
+    admitted_version: int = 0   # policy version when generation of the group was started
