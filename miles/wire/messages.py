@@ -24,7 +24,8 @@ PROTOCOL_VERSION = 1
 _REGISTRY: dict[str, type["Message"]] = {}
 
 
-class Message(msgspec.Struct, tag=True, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+class Message(msgspec.Struct, tag=True, tag_field="type", kw_only=True, forbid_unknown_fields=True,
+              omit_defaults=True):
     """Base of every wire message. Subclasses are registered by tag (the class name)."""
 
     def __init_subclass__(cls, **kwargs):

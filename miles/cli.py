@@ -1,0 +1,48 @@
+"""The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from miles.config import RecipeError, load_recipe
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles", description="Ray-free RL post-training")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "run a recipe (one node daemon; launch/miles.sh runs one per node)"),
+                       ("check", "validate a recipe and print its placement")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("recipe")
+        c.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.KEY=VALUE", help="override a recipe value (repeatable)")
+    return p
+
+
+def describe(recipe) -> str:
+    lines = [f"run {recipe.run.name!r}: output {recipe.output_dir}"]
+    for role, spec in sorted(recipe.actors.items()):
+        nodes = spec.nodes if spec.nodes is not None else [spec.node]
+        extra = f" x{spec.procs_per_node}/node" if spec.procs_per_node > 1 else ""
+        lines.append(f"  {role:<12} {spec.cls:<40} nodes {nodes}{extra}{'  (main)' if spec.main else ''}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:
+        print(f"miles: {e}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(describe(recipe))
+        print("recipe OK")
+        return 0
+    from miles.node import run_node
+    return run_node(recipe)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Encode and decode messages as ZeroMQ multipart frames: [header, body, *array frames].
+
+Design decisions:
+- The header is a tiny msgpack array (`Header`) decoded first: a peer speaking another protocol
+  version is refused before its body is looked at, with a message naming both versions.
+- The body is msgpack of one `Message` (a tagged union of every registered class). Each numpy
+  array in it is replaced by a msgpack ext (code 1) holding (frame index, dtype, shape); the array's
+  bytes travel as their own frame. Encoding hands ZeroMQ the array's memory (no copy); decoding
+  wraps the received frame with `np.frombuffer` (no copy; the array is read-only).
+- Decoding is strict (unknown fields, wrong types, bad dtypes, frame count or size mismatches are
+  all errors) and every error is a `WireError` naming the message type and the field path, so a
+  receiver can count it, drop the frame and keep serving.
+- No pickle anywhere; the dtype whitelist keeps object arrays out.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import msgspec
+import numpy as np
+
+from miles.wire.messages import PROTOCOL_VERSION, Header, Message, registered_messages
+
+ARRAY_EXT = 1
+_DTYPES = {np.dtype(t).str: np.dtype(t) for t in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64")}
+# bfloat16 has no numpy dtype; tensors of it travel as uint16 views with the logical dtype in metadata.
+
+
+class WireError(ValueError):
+    """A frame that cannot be decoded. `msg_type` and `field` say where."""
+
+    def __init__(self, message: str, msg_type: str = "?", field: str = ""):
+        self.msg_type, self.field = msg_type, field
+        where = f"{msg_type}" + (f" field {field}" if field else "")
+        super().__init__(f"bad frame ({where}): {message}")
+
+
+class VersionMismatch(WireError):
+    pass
+
+
+_state = threading.local()
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(Header)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.str not in _DTYPES:
+            raise TypeError(f"array dtype {obj.dtype} cannot travel on the wire")
+        arr = np.ascontiguousarray(obj)
+        frames: list = _state.frames
+        frames.append(memoryview(arr).cast("B") if arr.size else b"")
+        meta = msgspec.msgpack.encode((len(frames) - 1, arr.dtype.str, list(arr.shape)))
+        return msgspec.msgpack.Ext(ARRAY_EXT, meta)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != ARRAY_EXT:
+        raise ValueError(f"unknown msgpack ext code {code}")
+    index, dtype_str, shape = msgspec.msgpack.decode(data)
+    frames: Sequence = _state.frames
+    if not isinstance(index, int) or not 0 <= index < len(frames):
+        raise ValueError(f"array refers to frame {index} but {len(frames)} array frames came")
+    dtype = _DTYPES.get(dtype_str)
+    if dtype is None:
+        raise ValueError(f"array dtype {dtype_str!r} is not allowed")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"array shape {shape!r} is not a list of non-negative ints")
+    buf = frames[index]
+    buf = buf.buffer if hasattr(buf, "buffer") else buf
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(buf) != expected:
+        raise ValueError(f"array frame {index} has {len(buf)} bytes, expected {expected} for "
+                         f"{dtype_str}{tuple(shape)}")
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _dec_hook(typ: type, obj: Any) -> Any:
+    if typ is np.ndarray:
+        if isinstance(obj, np.ndarray):
+            return obj
+        raise ValueError(f"expected an array frame, got {type(obj).__name__}")
+    raise NotImplementedError(f"cannot decode type {typ}")
+
+
+class Codec:
+    """Encoder/decoder for the current set of registered messages.
+
+    The union is rebuilt lazily when a new Message subclass has been registered since.
+    """
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._known: int = -1
+        self._decoder: msgspec.msgpack.Decoder | None = None
+
+    def _body_decoder(self) -> msgspec.msgpack.Decoder:
+        registry = registered_messages()
+        if self._decoder is None or len(registry) != self._known:
+            union = tuple(registry.values())
+            self._decoder = msgspec.msgpack.Decoder(
+                union[0] if len(union) == 1 else __import__("typing").Union[union],
+                dec_hook=_dec_hook, ext_hook=_ext_hook)
+            self._known = len(registry)
+        return self._decoder
+
+    def encode(self, kind: str, msg: Message, id: int = 0, sender: str = "") -> list:
+        """Frames for one message: header, body, then one frame per array (zero copy)."""
+        _state.frames = frames = []
+        try:
+            body = self._encoder.encode(msg)
+        finally:
+            _state.frames = None
+        header = _header_encoder.encode(Header(PROTOCOL_VERSION, kind, id, sender, len(frames)))
+        return [header, body, *frames]
+
+    def decode_header(self, frames: Sequence) -> Header:
+        if len(frames) < 2:
+            raise WireError(f"expected at least 2 frames (header, body), got {len(frames)}",
+                            "Header")
+        raw = _buf(frames[0])
+        try:
+            header = _header_decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            raise WireError(str(e), "Header") from None
+        if header.v != PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"peer {header.sender or '?'} speaks wire protocol v{header.v}, this process "
+                f"speaks v{PROTOCOL_VERSION}; run the same Miles version on every node", "Header",
+                "v")
+        if header.n_arrays != len(frames) - 2:
+            raise WireError(f"header announces {header.n_arrays} array frames, "
+                            f"{len(frames) - 2} came", "Header", "n_arrays")
+        return header
+
+    def decode(self, frames: Sequence) -> tuple[Header, Message]:
+        header = self.decode_header(frames)
+        body = _buf(frames[1])
+        _state.frames = frames[2:]
+        try:
+            return header, self._body_decoder().decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            raise WireError(_explain(e), _peek_type(body), _field_of(e)) from None
+        finally:
+            _state.frames = None
+
+
+def _buf(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _peek_type(body: Any) -> str:
+    try:
+        obj = _any_decoder.decode(body)
+    except Exception:
+        return "<undecodable>"
+    if isinstance(obj, dict):
+        tag = obj.get("type")
+        return str(tag) if tag is not None else "<untagged>"
+    return f"<{type(obj).__name__}>"
+
+
+def _field_of(e: Exception) -> str:
+    text = str(e)
+    return text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else ""
+
+
+def _explain(e: Exception) -> str:
+    return str(e).split(" - at `")[0]
+
+
+_default = Codec()
+encode = _default.encode
+decode = _default.decode
