@@ -14,9 +14,26 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 
 from miles.algo.checks import require_1d, require_cu_seqlens, require_integer
+
+
+def ids_to_index(ids: Sequence[Hashable], *, empty_is_unique: bool = False) -> torch.Tensor:
+    """Map ids (e.g. the wire's string group_id / rollout_id) to int64 indices, in first-seen order.
+
+    With `empty_is_unique`, every "" or None gets its own index: a sample without a rollout_id is a
+    rollout of its own.
+    """
+    index: dict[Hashable, int] = {}
+    out = []
+    for position, key in enumerate(ids):
+        if empty_is_unique and (key is None or key == ""):
+            key = ("<unique>", position)
+        out.append(index.setdefault(key, len(index)))
+    return torch.tensor(out, dtype=torch.int64)
 
 
 def cu_seqlens_from_lengths(lengths: torch.Tensor | list[int]) -> torch.Tensor:
