@@ -33,8 +33,6 @@ class RunConfig(Base):
     output_dir: str = "runs/{name}"   # {name} is replaced by run.name
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    demo_batch_samples: int = 256     # the built-in demo: samples in the streamed batch
-    demo_tokens_per_sample: int = 1024
 
 
 class RestartPolicy(Base):

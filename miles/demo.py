@@ -1,19 +1,24 @@
-"""The built-in demo job (recipes/demo.toml): two actors, one call round, one streamed batch.
+"""The built-in demo job (recipes/demo.toml): a driver calls a sink actor and streams Samples to it.
 
-It shows the runtime on its own, before any model is involved: the driver calls a sink actor
-(possibly on another node), measures round trips, streams a batch of array-carrying Samples to it
-and checks that the sink's checksum equals its own.
+It shows the runtime on its own, before any model is involved: the driver (possibly on another
+node) measures call round trips, streams a batch of array-carrying Samples and checks that the
+sink's checksum equals its own. If the sink dies mid-stream, the driver waits for its restarted
+incarnation and sends the batch again (`options.retries`).
+
+Options: driver `{sink, samples, tokens, batch, retries}`; sink `{delay_s}` (per batch, to make
+it a slow consumer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
 
 import numpy as np
 
-from miles.actors.base import Actor
+from miles.actors.base import Actor, ActorDied
 from miles.wire.messages import Ping, Sample, SampleBatch, StreamSummary, VersionSpan
 
 
@@ -41,11 +46,14 @@ class Sink(Actor):
     """Receives streamed batches and answers with a checksum of everything it got."""
 
     async def on_stream(self, topic, items):
+        delay_s = float(self.options.get("delay_s", 0.0))
         h, n, nbytes = hashlib.sha256(), 0, 0
         async for batch in items:
             sample_checksum(batch.samples, h)
             n += len(batch.samples)
             nbytes += sum(s.tokens.nbytes for s in batch.samples)
+            if delay_s:
+                await asyncio.sleep(delay_s)
         return StreamSummary(topic=topic, items=n, nbytes=nbytes, checksum=h.hexdigest())
 
 
@@ -59,16 +67,27 @@ class DemoDriver(Actor):
             t = time.perf_counter()
             await sink.call(Ping(), timeout_s=10)
             latencies.append(time.perf_counter() - t)
-        samples = make_samples(self.recipe.run.demo_batch_samples, self.recipe.run.demo_tokens_per_sample)
-        t = time.perf_counter()
-        async with sink.stream("demo") as s:
-            for i in range(0, len(samples), 32):
-                await s.send(SampleBatch(samples=samples[i:i + 32]))
-        dt = time.perf_counter() - t
-        ok = s.result.checksum == sample_checksum(samples).hexdigest()
+        samples = make_samples(int(opts.get("samples", 256)), int(opts.get("tokens", 1024)))
+        expected = sample_checksum(samples).hexdigest()
         nbytes = sum(x.tokens.nbytes + x.rollout_logprobs.nbytes + x.loss_mask.nbytes for x in samples)
-        print(json.dumps({"demo": "ok" if ok else "CHECKSUM MISMATCH",
-                          "call_p50_us": round(float(np.median(latencies)) * 1e6, 1),
-                          "samples": s.result.items, "stream_MBps": round(nbytes / dt / 1e6, 1)}),
-              flush=True)
+        batch, attempts = int(opts.get("batch", 32)), 0
+        while True:
+            t = time.perf_counter()
+            try:
+                async with sink.stream("demo", timeout_s=60) as s:
+                    for i in range(0, len(samples), batch):
+                        await s.send(SampleBatch(samples=samples[i:i + batch]))
+                break
+            except ActorDied as e:
+                attempts += 1
+                print(json.dumps({"demo": "sink died", "error": str(e), "attempt": attempts}), flush=True)
+                if attempts > int(opts.get("retries", 0)):
+                    return 1
+                await sink.wait_restarted(timeout_s=60)
+        dt = time.perf_counter() - t
+        ok = s.result.checksum == expected and s.result.items == len(samples)
+        print(json.dumps({"demo": "ok" if ok else "CHECKSUM MISMATCH", "checksum": s.result.checksum,
+                          "expected": expected, "call_p50_us": round(float(np.median(latencies)) * 1e6, 1),
+                          "samples": s.result.items, "MB": round(nbytes / 1e6, 1),
+                          "stream_MBps": round(nbytes / dt / 1e6, 1), "retries": attempts}), flush=True)
         return 0 if ok else 1

@@ -234,7 +234,14 @@ class NodeDaemon(Actor):
         if self._shutting_down:
             return
         if child.spec.main:
-            await self.shutdown(f"main actor {child.name} exited with {code}", code)
+            reason = f"main actor {child.name} exited with {code}"
+            if self.node.node_rank != 0:  # the head ends the job for every node
+                try:
+                    await self.runtime.ref("node/0").call(Shutdown(reason=reason, exit_code=code),
+                                                          timeout_s=5.0)
+                except Exception as e:
+                    self._log(f"could not reach the head to end the job: {e}")
+            await self.shutdown(reason, code)
             return
         if code == 0:
             return
@@ -319,7 +326,8 @@ class NodeDaemon(Actor):
 
     async def on_shutdown(self, msg: Shutdown) -> Ok:
         asyncio.get_running_loop().call_soon(
-            lambda: asyncio.ensure_future(self.shutdown(msg.reason or "asked by the head", 0)))
+            lambda: asyncio.ensure_future(self.shutdown(msg.reason or "asked by the head",
+                                                        msg.exit_code)))
         return Ok(detail=f"{self.name} shutting down")
 
 

@@ -161,6 +161,13 @@ class ActorRef:
                     raise ActorTimeout(f"actor {self.name!r} is not available: {e}") from None
                 raise
 
+    async def wait_restarted(self, timeout_s: float = 60.0) -> int:
+        """After `ActorDied`: wait until the next incarnation has registered; returns it."""
+        info = await self.runtime.lookup(self.name, wait_s=timeout_s,
+                                         min_incarnation=self._incarnation + 1)
+        self._endpoint, self._incarnation = info.endpoint, info.incarnation
+        return info.incarnation
+
     async def tell(self, msg: Message, timeout_s: float = 60.0) -> None:
         conn = await self._connection(timeout_s)
         try:

@@ -94,6 +94,7 @@ class Metrics(Message):
 
 class Shutdown(Message):
     reason: str = ""
+    exit_code: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node(recipe: Path, rank: int, nnodes: int, log: Path, extra_env=None, overrides=()):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_"))}
+    env.update(NODE_RANK=str(rank), NNODES=str(nnodes), MASTER_ADDR="127.0.0.1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "runtime" / "plugins"),
+                                           env.get("PYTHONPATH", "")]), **(extra_env or {}))
+    args = [sys.executable, "-m", "miles.cli", "run", str(recipe)]
+    for o in overrides:
+        args += ["--set", o]
+    return subprocess.Popen(args, env=env, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.fixture
+def node_launcher(tmp_path):
+    procs = []
+
+    def launch(recipe_text: str, nnodes: int = 1, overrides=(), extra_env=None):
+        port = free_port()
+        recipe = tmp_path / "recipe.toml"
+        recipe.write_text(recipe_text.replace("@PORT@", str(port)).replace("@OUT@", str(tmp_path / "run")))
+        started = [start_node(recipe, r, nnodes, tmp_path / f"node{r}.log", extra_env, overrides)
+                   for r in range(nnodes)]
+        procs.extend(started)
+        return started, port, [tmp_path / f"node{r}.log" for r in range(nnodes)]
+
+    yield launch
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
