@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.algo.checks import require_1d, require_float, require_mask, require_tensor
+from miles.algo.checks import require_float, require_mask, require_tensor
 from miles.algo.config import LossConfig
 from miles.algo.corrections import mis_weights, tis_weights
 from miles.algo.layout import check_stream, padded_cu_seqlens
@@ -170,7 +170,11 @@ def _token_stream(cu_seqlens: torch.Tensor | None, **given: torch.Tensor | None)
         cu = padded_cu_seqlens(shape[0], shape[1], device=mask.device)
         present = {name: t.reshape(-1) for name, t in present.items()}
     else:
-        require_1d(first_name, present[first_name])
+        if len(shape) != 1:
+            raise ValueError(
+                f"{first_name} must be 1-D [num_tokens] when cu_seqlens is given (pass cu_seqlens=None for a "
+                f"padded [B, T] batch), got shape {tuple(shape)}"
+            )
         cu = check_stream(cu_seqlens.to(mask.device), shape[0])
     mask = present["loss_mask"]
     require_mask("loss_mask", mask)
