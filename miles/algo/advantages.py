@@ -17,7 +17,8 @@ Design decisions:
 - The reverse scans loop over time with each step vectorised across samples (element-wise ops only),
   which is deterministic on any device and any thread count; cost is O(max model tokens) tiny ops.
 - Whitening (REINFORCE++, `normalize_advantages`) needs global moments. With data parallelism, pass
-  `sum_across_ranks` (e.g. an all_reduce SUM) and every rank whitens with the same global mean/var.
+  `sum_across_ranks` (an all_reduce SUM of a float64 [3] tensor) and every rank whitens with the same
+  global mean/var.
 """
 
 from __future__ import annotations
@@ -139,20 +140,26 @@ def whiten(
     *,
     sum_across_ranks: SumAcrossRanks | None = None,
 ) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over masked tokens (population variance); 0 where mask is 0."""
+    """(x - mean) / sqrt(var + 1e-8) over masked tokens; 0 where the mask is 0.
+
+    Like slime: one pass of float64 moments [sum, sum of squares, count] (one all-reduce under DP),
+    variance with Bessel's correction.
+    """
     keep = loss_mask != 0
-    x64 = torch.where(keep, x.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device))
-    first = torch.stack([x64.sum(), keep.sum().to(torch.float64)])
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    x64 = torch.where(keep, x.detach().to(torch.float64), zero)
+    moments = torch.stack([x64.sum(), (x64 * x64).sum(), keep.sum().to(torch.float64)])
     if sum_across_ranks is not None:
-        first = sum_across_ranks(first)
-    total, count = first[0], first[1].clamp_min(1)
+        moments = sum_across_ranks(moments)
+    total, square_total, count = moments[0], moments[1], moments[2]
+    if float(count) == 0:
+        raise ValueError("loss_mask has no trained token in the whole batch: nothing to whiten")
     mean = total / count
-    square = torch.where(keep, (x64 - mean) ** 2, torch.zeros_like(x64)).sum()
-    if sum_across_ranks is not None:
-        square = sum_across_ranks(square.reshape(1))[0]
-    var = square / count
+    var = (square_total / count - mean * mean).clamp_min(0.0)
+    if float(count) >= 2:
+        var = var * count / (count - 1)
     out = (x64 - mean) * torch.rsqrt(var + WHITEN_EPS)
-    return torch.where(keep, out, torch.zeros_like(out)).to(torch.float32)
+    return torch.where(keep, out, zero).to(torch.float32)
 
 
 def apply_distillation(

@@ -107,8 +107,8 @@ def test_gae_with_gamma_lambda_one_is_reward_minus_value() -> None:
 
 def test_whiten_hand_case() -> None:
     out = whiten(torch.tensor([1.0, 100.0, 2.0, 3.0]), torch.tensor([1, 0, 1, 1]))
-    s = math.sqrt(1.5)
-    assert torch.allclose(out, torch.tensor([-s, 0.0, 0.0, s]), atol=1e-6)
+    # mean 2, unbiased variance 1
+    assert torch.allclose(out, torch.tensor([-1.0, 0.0, 0.0, 1.0]), atol=1e-6)
 
 
 def test_whiten_with_sum_across_ranks_matches_single_rank() -> None:
@@ -116,26 +116,19 @@ def test_whiten_with_sum_across_ranks_matches_single_rank() -> None:
     mask = torch.tensor([1, 1, 0, 1, 1, 1])
     whole = whiten(x, mask)
     shards = [(x[:3], mask[:3]), (x[3:], mask[3:])]
-
-    def fake_all_reduce(other_x: torch.Tensor, other_mask: torch.Tensor):
-        """Adds the other rank's partial moments, as an all_reduce SUM over two ranks would."""
-        state = {}
-
-        def sum_across_ranks(t: torch.Tensor) -> torch.Tensor:
-            keep = other_mask.double()
-            if t.shape[0] == 2:  # first pass: [sum, count]
-                out = t + torch.stack([(other_x.double() * keep).sum(), keep.sum()])
-                state["mean"] = out[0] / out[1]
-                return out
-            return t + ((other_x.double() - state["mean"]) ** 2 * keep).sum().reshape(1)
-
-        return sum_across_ranks
-
+    local = [
+        torch.stack([(v.double() * m).sum(), (v.double() ** 2 * m).sum(), m.double().sum()]) for v, m in shards
+    ]
+    # An all_reduce SUM over two ranks adds the other rank's moments.
     split = torch.cat([
-        whiten(shards[rank][0], shards[rank][1], sum_across_ranks=fake_all_reduce(*shards[1 - rank]))
-        for rank in (0, 1)
+        whiten(*shards[rank], sum_across_ranks=lambda t, rank=rank: t + local[1 - rank]) for rank in (0, 1)
     ])
     assert torch.allclose(split, whole, atol=1e-6)
+
+
+def test_whiten_refuses_a_batch_without_trained_tokens() -> None:
+    with pytest.raises(ValueError, match="loss_mask has no trained token in the whole batch"):
+        whiten(torch.ones(3), torch.zeros(3))
 
 
 def test_reinforce_plus_plus_baseline_is_whitened_group_centred_reward() -> None:
@@ -148,7 +141,8 @@ def test_reinforce_plus_plus_baseline_is_whitened_group_centred_reward() -> None
         group_ids=ids(0, 0),
     )
     assert torch.allclose(result.returns, torch.tensor([0.5, 0.5, -0.5, -0.5]))
-    assert torch.allclose(result.advantages, torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-6)
+    s = math.sqrt(3) / 2  # values +-0.5, unbiased std 1/sqrt(3)
+    assert torch.allclose(result.advantages, torch.tensor([s, s, -s, -s]), atol=1e-6)
 
 
 def test_ppo_estimator_uses_gae_and_optional_normalization() -> None:
@@ -164,7 +158,7 @@ def test_ppo_estimator_uses_gae_and_optional_normalization() -> None:
         values=values,
     )
     kept = normalized.advantages[ONE_MASK.bool()]
-    assert abs(float(kept.mean())) < 1e-6 and abs(float(kept.var(unbiased=False)) - 1) < 1e-4
+    assert abs(float(kept.mean())) < 1e-6 and abs(float(kept.var()) - 1) < 1e-4
 
 
 def test_distillation_hook_subtracts_reverse_kl() -> None:
