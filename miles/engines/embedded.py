@@ -1,0 +1,191 @@
+"""The embedded engine: our own small torch engine serving SGLang's native HTTP API.
+
+Start it (one process per engine; the model is an HF safetensors directory):
+
+    python -m miles.engines.embedded --model-path DIR --host 127.0.0.1 --port N \
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--max-running-requests N] \
+        [--max-total-tokens N] [--context-length N] [--enable-return-routed-experts] \
+        [--weight-version default] [--served-model-name NAME] [--random-seed N] \
+        [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N]
+
+It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
+registers it like an SGLang worker (`/server_info`, `/model_info`, `/v1/models`, `dp_size: 1`).
+From Python, `launch_embedded_engine(model_path, ...)` starts one as a child process on a free
+loopback port and waits for it; `EmbeddedEngine.stop()` ends it.
+
+Design decisions (details in miles/engines/embedded_engine/*):
+- Real generation, not a mock: a Qwen-family forward over HF weights (Qwen2, Qwen3, Qwen3-MoE,
+  Llama; fp32/bf16; CPU/CUDA) whose fp32 logits match transformers within 1e-5 (model.py), a
+  token-slot KV pool (kv_cache.py), continuous batching with retraction (scheduler.py), seeded
+  per-request sampling (sampling.py), CUDA graphs for dense decode (runner.py).
+- Logprobs are `log_softmax` of the raw logits (temperature 1, before top-k/top-p/min-p and
+  masking) of the forward the token was sampled from (sampling.py explains why).
+- Weight updates: `/update_weights_from_disk`, `/update_weights_from_tensor` (base64 safetensors,
+  never pickle), `/init_weights_update_group` + `/update_weights_from_distributed` (gloo on CPU,
+  NCCL on CUDA; the trainer's rank 0 broadcasts), `/update_weight_version`; plus our
+  `/weights_checksum` extension (weights.py).
+- What it does not do: tensor/data parallelism (tp_size = dp_size = 1), prefix/radix caching
+  (`cached_tokens` is always 0), grammars, penalties, speculative decoding, LoRA, multimodal
+  input; those get a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m miles.engines.embedded",
+                                description="Miles embedded engine (SGLang native HTTP API)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool size in tokens (default: from memory)")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--mem-fraction-kv", type=float, default=0.5,
+                   help="fraction of free device memory for the KV pool when --max-total-tokens is unset")
+    p.add_argument("--torch-threads", type=int, default=2, help="intra-op CPU threads")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def build_server(args):
+    """Load the model and return the EngineServer (no sockets yet)."""
+    import torch
+
+    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
+    from miles.engines.embedded_engine.server import EngineServer
+
+    if args.tp_size != 1 or args.dp_size != 1:
+        raise SystemExit(f"--tp-size {args.tp_size} --dp-size {args.dp_size}: the embedded engine "
+                         "runs one rank; start several engines behind smg instead")
+    torch.set_num_threads(max(1, args.torch_threads))
+    cfg = RunnerConfig(device=args.device, dtype=args.dtype,
+                       max_running_requests=args.max_running_requests,
+                       max_total_tokens=args.max_total_tokens, context_length=args.context_length,
+                       cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                       mem_fraction_kv=args.mem_fraction_kv)
+    runner = ModelRunner(args.model_path, cfg)
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        except Exception as e:  # a model dir without a tokenizer still serves input_ids
+            logging.getLogger(__name__).warning("no tokenizer (%s); serving input_ids only", e)
+    return EngineServer(runner, tokenizer, args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        import torch
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    from aiohttp import web
+    server = build_server(args)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None,
+                handler_cancellation=True, shutdown_timeout=2.0)
+
+
+# ---- launching from Python (tests, quickstart) -----------------------------------------------
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEngine:
+    """A running engine child process."""
+
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: Path | None):
+        self.proc, self.host, self.port, self.log_path = proc, host, port, log_path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        return ""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def launch_embedded_engine(model_path: str | Path, *, host: str = "127.0.0.1", port: int | None = None,
+                           extra_args: list[str] | None = None, log_path: str | Path | None = None,
+                           ready_timeout_s: float = 120.0, env: dict | None = None) -> EmbeddedEngine:
+    """Start `python -m miles.engines.embedded` and wait until /health answers 200."""
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "miles.engines.embedded", "--model-path", str(model_path),
+           "--host", host, "--port", str(port), *(extra_args or [])]
+    log_file = Path(log_path) if log_path else None
+    out = open(log_file, "w") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+    engine = EmbeddedEngine(proc, host, port, log_file)
+    deadline = time.time() + ready_timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"embedded engine exited with {proc.returncode} before it was ready:\n"
+                               f"{engine.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{engine.url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return engine
+        except OSError:
+            pass
+        time.sleep(0.2)
+    engine.stop()
+    raise TimeoutError(f"embedded engine on port {port} not ready after {ready_timeout_s} s:\n"
+                       f"{engine.log_tail()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""ModelRunner: the model, its KV pool, and the decode step (eager or CUDA graph).
+
+Design decisions:
+- Everything here runs on the scheduler's single compute thread; nothing here knows about HTTP
+  or requests, only token ids, KV slots and request rows.
+- Decode shapes are bucketed: the batch is padded to a batch bucket (1, 2, 4, 8, 16, 24, 32, 48,
+  64, ...), and the keys each row gathers from the pool to a kv-length bucket (a power of two
+  >= 64). A (batch, kv) bucket pair is one CUDA graph, captured lazily the first time it is needed
+  and replayed afterwards; all graphs share one memory pool. Padding rows point at the reserved
+  scratch row/slot 0 of the pool, so replaying a graph never touches a live request it doesn't own.
+- The eager path runs the very same `Model.decode` with the same buckets, so graph and eager give
+  identical numbers (a GPU test checks it); the lm_head and sampling run eagerly after the graph
+  because their cost is one matmul and their inputs (per-request sampling params) vary.
+- MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
+  for dense models, which is what the throughput benchmark measures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from miles.engines.embedded_engine.kv_cache import KVPool
+from miles.engines.embedded_engine.model import DecodeInputs, Model, kv_bytes_per_token, next_pow2
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
+                 448, 512]
+MIN_KV_BUCKET = 64
+
+
+@dataclass
+class RunnerConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
+    mem_fraction_kv: float = 0.5     # of free device memory after weights, when max_total_tokens is unset
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype: {name!r} is not one of {sorted(table)}")
+    return table[name]
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, cfg: RunnerConfig):
+        from miles.engines.embedded_engine.model import load_hf_config, load_safetensors_dir
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = torch_dtype(cfg.dtype)
+        self.hf_config = load_hf_config(model_path)
+        ctx = cfg.context_length or self.hf_config.max_position_embeddings
+        self.context_length = ctx
+        self.model = Model(self.hf_config, self.device, self.dtype, max_positions=ctx)
+        self.shape = self.model.shape
+        missing = load_safetensors_dir(self.model.weights, model_path)
+        if missing:
+            raise ValueError(f"model_path {model_path!r}: checkpoint lacks {len(missing)} tensors, "
+                             f"e.g. {missing[:3]}")
+        per_token = kv_bytes_per_token(self.shape, self.dtype)
+        total = cfg.max_total_tokens or self._default_pool_tokens(per_token, ctx)
+        self.kv = KVPool(self.shape.num_layers, total + 1, self.shape.num_kv_heads,
+                         self.shape.head_dim, cfg.max_running_requests, ctx, self.device, self.dtype)
+        self.max_total_tokens = total
+        self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graph and not self.shape.is_moe)
+        self.graphs = _DecodeGraphs(self, min(cfg.cuda_graph_max_bs, cfg.max_running_requests)) \
+            if self.use_graphs else None
+        log.info("embedded engine: %s %s on %s, KV pool %d tokens (%.1f MiB), cuda graphs %s",
+                 self.shape.model_type, cfg.dtype, self.device, total,
+                 self.kv.nbytes() / 2**20, self.use_graphs)
+
+    def _default_pool_tokens(self, per_token: int, ctx: int) -> int:
+        want = self.cfg.max_running_requests * ctx
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cap = int(free * self.cfg.mem_fraction_kv) // per_token
+        else:
+            cap = (1 << 30) // per_token  # 1 GiB of host memory for the KV pool by default
+        return max(2 * ctx, min(want, cap)) if cap >= 2 * ctx else max(cap, 256)
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[list[int]], rows: list[int], slots: list[np.ndarray],
+                logit_starts: list[int], capture_routing: bool):
+        """Forward fresh sequences; returns per-sequence fp32 logits rows and routing.
+
+        `logit_starts[i]` is the first position of sequence i whose logits are wanted (len-1 for
+        plain sampling; earlier for prompt logprobs). Routing is [T_i, moe_layers, top_k] per seq.
+        """
+        dev = self.device
+        lens = [len(s) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s], device=dev, dtype=torch.long)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        flat_slots = torch.from_numpy(np.concatenate(slots)).to(dev)
+        rt = self.kv.req_to_token
+        for row, s, n in zip(rows, slots, lens):
+            rt[row, :n] = torch.from_numpy(s).to(dev)
+        hidden, routing = self.model.prefill(ids, pos, lens, flat_slots, self.kv,
+                                             capture_routing and self.shape.is_moe)
+        want, offset = [], 0
+        for n, start in zip(lens, logit_starts):
+            want.append(torch.arange(offset + start, offset + n, device=dev))
+            offset += n
+        logits = self.model.logits(hidden[torch.cat(want)])
+        per_seq, off = [], 0
+        for n, start in zip(lens, logit_starts):
+            per_seq.append(logits[off:off + n - start])
+            off += n - start
+        routing_np = None
+        if routing is not None:
+            r = routing.to(torch.int32).cpu().numpy()
+            routing_np, off = [], 0
+            for n in lens:
+                routing_np.append(r[off:off + n])
+                off += n
+        return per_seq, routing_np
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, input_ids: list[int], positions: list[int], rows: list[int],
+               out_slots: np.ndarray, capture_routing: bool, force_eager: bool = False):
+        """One token per request. Returns (fp32 logits [B, V], routing np [B, L, k] or None)."""
+        dev = self.device
+        n = len(input_ids)
+        host = torch.tensor([input_ids, positions, rows, [p + 1 for p in positions],
+                             out_slots.tolist()], dtype=torch.long)
+        kv_bucket = self.kv_bucket_of(max(positions))
+        host = host.to(dev, non_blocking=True)
+        self.kv.req_to_token[host[2], host[1]] = host[4]
+        if self.graphs is not None and not force_eager and n <= self.graphs.max_bs:
+            hidden, routing = self.graphs.run(host, kv_bucket)
+        else:
+            inp = DecodeInputs(host[0], host[1], host[2], host[3], host[4])
+            hidden, routing = self.model.decode(inp, kv_bucket, self.kv, self.kv.req_to_token,
+                                                capture_routing and self.shape.is_moe)
+        logits = self.model.logits(hidden)
+        routing_np = routing.to(torch.int32).cpu().numpy() if (capture_routing and routing is not None) else None
+        return logits, routing_np
+
+    def kv_bucket_of(self, max_position: int) -> int:
+        return min(max(MIN_KV_BUCKET, next_pow2(max_position + 1)), self.context_length)
+
+
+class _DecodeGraphs:
+    """Lazily captured CUDA graphs of `Model.decode`, keyed by (batch bucket, kv bucket)."""
+
+    def __init__(self, runner: ModelRunner, max_bs: int):
+        self.runner = runner
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_bs] + [max_bs]
+        self.max_bs = max_bs
+        dev = runner.device
+        self.inputs = torch.zeros(5, max_bs, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(max_bs, runner.shape.hidden_size, dtype=runner.dtype, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self._pad()
+
+    def _pad(self) -> None:
+        self.inputs.zero_()
+        self.inputs[3].fill_(1)  # seq_len 1: padding rows attend to their own scratch key only
+
+    def _body(self, b: int, kv_bucket: int) -> None:
+        x = self.inputs[:, :b]
+        inp = DecodeInputs(x[0], x[1], x[2], x[3], x[4])
+        r = self.runner
+        hidden, _ = r.model.decode(inp, kv_bucket, r.kv, r.kv.req_to_token, capture_routing=False)
+        self.hidden[:b].copy_(hidden)
+
+    def _capture(self, b: int, kv_bucket: int) -> torch.cuda.CUDAGraph:
+        saved = self.inputs.clone()
+        self._pad()  # capture against scratch rows only
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body(b, kv_bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._body(b, kv_bucket)
+        self.pool = graph.pool()
+        self.inputs.copy_(saved)
+        log.info("captured decode CUDA graph batch=%d kv=%d", b, kv_bucket)
+        return graph
+
+    def run(self, host: torch.Tensor, kv_bucket: int):
+        n = host.shape[1]
+        b = next(x for x in self.buckets if x >= n)
+        key = (b, kv_bucket)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(b, kv_bucket)
+        self._pad()
+        self.inputs[:, :n].copy_(host, non_blocking=True)
+        self.graphs[key].replay()
+        return self.hidden[:n], None

@@ -1,0 +1,132 @@
+"""Batched sampling with per-request parameters and per-request seeded randomness.
+
+Design decisions:
+- Logprob convention: the logprob reported for a token is `log_softmax(raw_logits)[token]`, i.e.
+  the model's unmodified distribution at temperature 1, before temperature, top-k, top-p, min-p,
+  logit_bias and min_new_tokens masking. That is the behaviour policy when an RL run samples at
+  temperature 1 with no truncation (the usual setting) and what a trainer's forward recomputes.
+  It is computed from the very logits the token was sampled from (same forward, same step).
+- Randomness is inverse-CDF sampling with one uniform per (request, step) drawn from a counter-based
+  hash of (sampling_seed, output position) on the host. So a request's tokens depend only on its
+  own seed and logits, never on which other requests share the batch, and a retracted request
+  resamples exactly what it would have. Requests without `sampling_seed` get a seed from the
+  server's RNG (`--random-seed`).
+- Rows that truncate the distribution (top_k / top_p / min_p) are sampled in sorted order, the
+  others in vocabulary order; each row always takes the same path, whatever its batch neighbours do.
+- temperature == 0 (or top_k == 1) is greedy: argmax of the processed logits (first index on ties,
+  like transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TOP_K_ALL = 1 << 30  # SGLang's default top_k (1073741824) means "no top-k"
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def splitmix_uniform(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1) from (seed, step), counter-based (splitmix64 finaliser)."""
+    with np.errstate(over="ignore"):
+        x = seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + steps.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of one step (host side), built by the scheduler."""
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    min_ps: list[float]
+    seeds: list[int]
+    steps: list[int]                       # output position being sampled, per row
+    banned: list[tuple[int, int]]          # (row, token) pairs masked to -inf (min_new_tokens)
+    biases: list[tuple[int, int, float]]   # (row, token, bias) from logit_bias
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class SampleOut:
+    tokens: torch.Tensor      # [B] int64
+    logprobs: torch.Tensor    # [B] fp32, raw-distribution logprob of the token
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOut:
+    """Sample one token per row of fp32 `logits` [B, V]."""
+    B, V = logits.shape
+    dev = logits.device
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    proc = logits
+    if sb.banned or sb.biases:
+        proc = logits.clone()
+        if sb.biases:
+            r, t, b = zip(*sb.biases)
+            proc.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                            torch.tensor(b, device=dev, dtype=proc.dtype), accumulate=True)
+        if sb.banned:
+            r, t = zip(*sb.banned)
+            proc[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+    temps = np.asarray(sb.temperatures, dtype=np.float32)
+    greedy = (temps <= 0.0) | (np.asarray(sb.top_ks) == 1)
+    tokens = torch.argmax(proc, dim=-1)  # greedy for every row; sampled rows overwrite below
+    sampled = np.nonzero(~greedy)[0]
+    if len(sampled):
+        u = torch.from_numpy(splitmix_uniform(np.asarray(sb.seeds, dtype=np.int64)[sampled],
+                                              np.asarray(sb.steps, dtype=np.int64)[sampled]))
+        u = u.to(device=dev, dtype=torch.float64)
+        rows = torch.from_numpy(sampled).to(dev)
+        t = torch.from_numpy(temps[sampled]).to(dev)[:, None]
+        scaled = proc[rows] / t
+        top_ps = np.asarray(sb.top_ps, dtype=np.float32)[sampled]
+        top_ks = np.minimum(np.asarray(sb.top_ks, dtype=np.int64)[sampled], V)
+        min_ps = np.asarray(sb.min_ps, dtype=np.float32)[sampled]
+        truncating = (top_ps < 1.0) | (top_ks < V) | (min_ps > 0.0)
+        picked = torch.empty(len(sampled), dtype=torch.long, device=dev)
+        plain = np.nonzero(~truncating)[0]
+        if len(plain):
+            idx = torch.from_numpy(plain).to(dev)
+            picked[idx] = _inverse_cdf(torch.softmax(scaled[idx], dim=-1), u[idx])
+        trunc = np.nonzero(truncating)[0]
+        if len(trunc):
+            idx = torch.from_numpy(trunc).to(dev)
+            picked[idx] = _sample_truncated(scaled[idx], u[idx], top_ps[trunc], top_ks[trunc], min_ps[trunc])
+        tokens = tokens.index_copy(0, rows, picked)
+    logprobs = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+    out = SampleOut(tokens=tokens, logprobs=logprobs)
+    if sb.top_logprobs_num > 0:
+        k = min(sb.top_logprobs_num, V)
+        out.top_logprobs, out.top_ids = torch.topk(raw_logprobs, k, dim=-1)
+    return out
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def _sample_truncated(scaled: torch.Tensor, u: torch.Tensor, top_ps, top_ks, min_ps) -> torch.Tensor:
+    dev = scaled.device
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    V = probs.shape[-1]
+    rank = torch.arange(V, device=dev)[None, :]
+    keep = rank < torch.from_numpy(top_ks).to(dev)[:, None]
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep &= before < torch.from_numpy(top_ps).to(dev)[:, None]
+    keep &= sorted_p >= torch.from_numpy(min_ps).to(dev)[:, None] * sorted_p[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    kept = sorted_p * keep
+    pos = _inverse_cdf(kept, u)
+    return order.gather(1, pos[:, None])[:, 0]

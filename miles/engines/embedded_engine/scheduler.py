@@ -1,0 +1,388 @@
+"""Continuous batching: requests join and leave the running batch at every step.
+
+Design decisions:
+- One asyncio task owns all scheduling state; the forward, sampling and weight copies run on one
+  dedicated compute thread (`run_compute`). A step holds `step_lock`; control operations (pause,
+  abort, weight updates) take the same lock, so they always land *between* two steps and never see
+  a half-applied batch. Nothing else mutates the batch.
+- Each iteration runs either one prefill (newly admitted or recomputed requests, up to
+  `max_prefill_tokens`) or one decode step over every running request, like SGLang's
+  prefill/decode alternation. A request admitted mid-flight joins the next decode step; a finished
+  one frees its KV slots immediately.
+- Admission is bounded by `max_running_requests`, free request rows and free KV slots (keeping one
+  slot of headroom per running request). If the pool still runs dry during decode, the newest
+  requests are *retracted* (KV freed, put back at the head of the queue, recomputed later), as
+  SGLang does; `num_retractions` counts it.
+- Pause modes (SGLang semantics): `abort` finishes every in-flight and queued request with
+  finish_reason abort (partial output included); `in_place` stops scheduling and keeps every
+  request and its KV; `retract` keeps the requests but frees their KV, which is recomputed with
+  the then-current weights after `continue_generation`. While paused, new requests queue.
+- Weight versions: every output token records the version of the weights that produced its logits;
+  runs of equal versions become `weight_versions` spans `{"version", "start", "end"}` (half-open
+  ranges of output positions), so a request that crossed an update reports both versions.
+- Routed experts (R3): position p's routing is recorded when token p is forwarded (prefill for
+  prompt positions, decode for outputs); recomputation after a retract overwrites them with the
+  routing under the new weights, as SGLang's per-slot capture does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from miles.engines.embedded_engine.protocol import SamplingParams
+from miles.engines.embedded_engine.runner import ModelRunner
+from miles.engines.embedded_engine.sampling import SamplingBatch, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    stream: bool = False
+    stop_token_ids: frozenset[int] = frozenset()  # user stops + EOS unless ignore_eos
+    stop_strs: tuple[str, ...] = ()
+    # progress
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    spans: list[list] = field(default_factory=list)  # [version, start, end]
+    routed: np.ndarray | None = None                  # [prompt+max_new, layers, top_k]
+    finish: dict | None = None
+    matched_stop_str: str | None = None
+    num_retractions: int = 0
+    # placement
+    row: int = 0
+    slots: list[np.ndarray] = field(default_factory=list)
+    # timing / notification
+    created_s: float = field(default_factory=time.time)
+    finished_s: float = 0.0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, *, max_running_requests: int, max_prefill_tokens: int,
+                 weight_version: str, detokenize=None):
+        self.runner = runner
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.detokenize = detokenize  # ids -> str, for stop strings; None without a tokenizer
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.by_rid: dict[str, Request] = {}
+        self.paused: str | None = None
+        self.step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
+        self._task: asyncio.Task | None = None
+        self.last_step_s = time.time()
+        self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "finished": 0,
+                      "aborted": 0, "retractions": 0}
+        self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._compute.shutdown(wait=True, cancel_futures=True)
+
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def run_compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        if req.rid in self.by_rid:
+            raise ValueError(f"rid: {req.rid!r} is already in flight")
+        if req.return_routed_experts and self.runner.shape.is_moe:
+            L, k = self.layers_topk
+            req.routed = np.zeros((len(req.input_ids) + req.max_new_tokens, L, k), dtype=np.int32)
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+        self._wake.set()
+
+    async def abort(self, rid: str | None = None, message: str = "Aborted by request") -> int:
+        """Abort one request (by rid) or all; returns how many were aborted."""
+        async with self.step_lock:
+            targets = list(self.by_rid.values()) if rid is None else (
+                [self.by_rid[rid]] if rid in self.by_rid else [])
+            for req in targets:
+                self._finish(req, {"type": "abort", "message": message, "status_code": None,
+                                   "err_type": None})
+            return len(targets)
+
+    # ---- pause / continue ------------------------------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        async with self.step_lock:
+            self.paused = mode
+            if mode == "abort":
+                for req in list(self.by_rid.values()):
+                    self._finish(req, {"type": "abort", "message": "Generation paused (abort)",
+                                       "status_code": None, "err_type": None})
+            elif mode == "retract":
+                for req in reversed(self.running):
+                    self._release_kv(req)
+                    req.num_retractions += 1
+                    self.stats["retractions"] += 1
+                    self.waiting.appendleft(req)
+                self.running.clear()
+
+    async def resume(self) -> None:
+        async with self.step_lock:
+            self.paused = None
+        self._wake.set()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            self.last_step_s = time.time()
+            if self.paused or not (self.waiting or self.running):
+                self._wake.clear()
+                if self.paused or not (self.waiting or self.running):
+                    await self._wake.wait()
+                continue
+            async with self.step_lock:
+                if self.paused:
+                    continue
+                try:
+                    batch = self._admit()
+                    if batch:
+                        await self._prefill(batch)
+                    elif self.running:
+                        await self._decode()
+                except Exception as e:  # a bug in one step must not kill the server
+                    log.exception("engine step failed; aborting the requests of that step")
+                    for req in list(self.running):
+                        self._finish(req, {"type": "abort", "message": f"engine error: {e!r}",
+                                           "status_code": 500, "err_type": "InternalServerError"})
+            await asyncio.sleep(0)  # let HTTP handlers and control calls in between steps
+
+    def _admit(self) -> list[Request]:
+        kv = self.runner.kv
+        batch: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.max_running and kv.free_rows:
+            req = self.waiting[0]
+            need = len(req.input_ids) + len(req.output_ids)
+            if batch and tokens + need > self.max_prefill_tokens:
+                break
+            headroom = len(self.running) + len(batch) + 1
+            if kv.free_slots < need + headroom:
+                break
+            self.waiting.popleft()
+            req.row = kv.alloc_row()
+            req.slots = [kv.alloc(need)]
+            batch.append(req)
+            tokens += need
+        return batch
+
+    def _release_kv(self, req: Request) -> None:
+        if req.slots:
+            for s in req.slots:
+                self.runner.kv.free(s)
+            req.slots = []
+            self.runner.kv.free_row(req.row)
+            req.row = 0
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        if req.finished:
+            return
+        req.finish = reason
+        req.finished_s = time.time()
+        self._release_kv(req)
+        if req in self.running:
+            self.running.remove(req)
+        try:
+            self.waiting.remove(req)
+        except ValueError:
+            pass
+        self.by_rid.pop(req.rid, None)
+        self.stats["aborted" if reason["type"] == "abort" else "finished"] += 1
+        req.progress.set()
+        req.done.set()
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    async def _prefill(self, batch: list[Request]) -> None:
+        seqs = [r.all_tokens for r in batch]
+        starts = []
+        for r, s in zip(batch, seqs):
+            wants_input = r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids
+            starts.append(max(r.logprob_start_len - 1, 0) if wants_input else len(s) - 1)
+        capture = any(r.routed is not None for r in batch)
+        sb = self._sampling_batch(batch)
+
+        def compute():
+            per_seq, routing = self.runner.prefill(seqs, [r.row for r in batch],
+                                                   [r.slots[0] for r in batch], starts, capture)
+            out = sample(torch.stack([lg[-1] for lg in per_seq]), sb)
+            input_lps = []
+            for r, s, start, lg in zip(batch, seqs, starts, per_seq):
+                if start == len(s) - 1:
+                    input_lps.append(None)
+                    continue
+                nxt = torch.tensor(s[start + 1:], device=lg.device)
+                lp = torch.log_softmax(lg[:-1], dim=-1).gather(1, nxt[:, None])[:, 0]
+                input_lps.append(lp.tolist())
+            return _to_host(out), routing, input_lps
+
+        (tokens, logprobs, tops), routing, input_lps = await self.run_compute(compute)
+        self.stats["prefills"] += 1
+        for i, req in enumerate(batch):
+            if req.finished:  # aborted while computing cannot happen (lock), but stay safe
+                continue
+            if input_lps[i] is not None:
+                first = max(req.logprob_start_len, 0)
+                req.input_logprobs = ([None] if first == 0 else []) + input_lps[i]
+            if routing is not None and req.routed is not None:
+                n = len(routing[i])
+                req.routed[:n] = routing[i]
+            self.running.append(req)
+            if req.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+                continue
+            self._append(req, tokens[i], logprobs[i], tops[i] if tops else None)
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    async def _decode(self) -> None:
+        kv = self.runner.kv
+        while kv.free_slots < len(self.running) and len(self.running) > 1:
+            victim = self.running.pop()  # newest first, like SGLang's retract_decode
+            self._release_kv(victim)
+            victim.num_retractions += 1
+            self.stats["retractions"] += 1
+            self.waiting.appendleft(victim)
+        batch = list(self.running)
+        out_slots = kv.alloc(len(batch))
+        for i, req in enumerate(batch):
+            req.slots.append(out_slots[i:i + 1])
+        ids = [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in batch]
+        positions = [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
+        rows = [r.row for r in batch]
+        capture = any(r.routed is not None for r in batch)
+        sb = self._sampling_batch(batch)
+
+        def compute():
+            logits, routing = self.runner.decode(ids, positions, rows, out_slots, capture)
+            return _to_host(sample(logits, sb)), routing
+
+        (tokens, logprobs, tops), routing = await self.run_compute(compute)
+        self.stats["steps"] += 1
+        for i, req in enumerate(batch):
+            if routing is not None and req.routed is not None:
+                req.routed[positions[i]] = routing[i]
+            self._append(req, tokens[i], logprobs[i], tops[i] if tops else None)
+
+    # ---- per-token bookkeeping -------------------------------------------------------------
+
+    def _sampling_batch(self, batch: list[Request]) -> SamplingBatch:
+        banned, biases = [], []
+        for i, r in enumerate(batch):
+            p = r.params
+            if len(r.output_ids) < p.min_new_tokens:
+                banned.extend((i, t) for t in r.stop_token_ids)
+            for tok, b in (p.logit_bias or {}).items():
+                biases.append((i, int(tok), float(b)))
+        return SamplingBatch(
+            temperatures=[r.params.temperature for r in batch],
+            top_ps=[r.params.top_p for r in batch], top_ks=[r.params.top_k for r in batch],
+            min_ps=[r.params.min_p for r in batch], seeds=[r.seed for r in batch],
+            steps=[len(r.output_ids) for r in batch], banned=banned, biases=biases,
+            top_logprobs_num=max((r.top_logprobs_num for r in batch), default=0))
+
+    def _append(self, req: Request, token: int, logprob: float, top) -> None:
+        i = len(req.output_ids)
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        if req.top_logprobs_num and top is not None:
+            req.output_top.append(top[:req.top_logprobs_num])
+        v = self.weight_version
+        if req.spans and req.spans[-1][0] == v and req.spans[-1][2] == i:
+            req.spans[-1][2] = i + 1
+        else:
+            req.spans.append([v, i, i + 1])
+        self.stats["generated_tokens"] += 1
+        reason = self._check_finished(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.stream:
+            req.progress.set()
+
+    def _check_finished(self, req: Request, token: int) -> dict | None:
+        # Same precedence as SGLang's Req.check_finished: length first, then stop ids, then strings.
+        if len(req.output_ids) >= req.max_new_tokens:
+            return {"type": "length", "length": req.max_new_tokens}
+        if token in req.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if req.stop_strs and self.detokenize is not None:
+            tail = self.detokenize(req.output_ids[-16:])
+            for s in req.stop_strs:
+                if s in tail:
+                    req.matched_stop_str = s
+                    return {"type": "stop", "matched": s}
+        if len(req.input_ids) + len(req.output_ids) >= self.runner.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    # ---- load reporting --------------------------------------------------------------------
+
+    def load(self) -> dict:
+        kv = self.runner.kv
+        used = self.runner.max_total_tokens - (kv.free_slots)
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "num_tokens": sum(len(r.input_ids) + len(r.output_ids) for r in self.running),
+                "num_used_tokens": max(used, 0), "max_total_num_tokens": self.runner.max_total_tokens,
+                "token_usage": max(used, 0) / max(self.runner.max_total_tokens, 1),
+                "paused": self.paused}
+
+
+def _to_host(out):
+    tokens = out.tokens.tolist()
+    logprobs = out.logprobs.tolist()
+    tops = None
+    if out.top_ids is not None:
+        ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        tops = [list(zip(lp_row, id_row)) for lp_row, id_row in zip(lps, ids)]
+    return tokens, logprobs, tops
