@@ -1,0 +1,148 @@
+"""The `subprocess` backend: each command is a host process jailed with plain kernel features.
+
+Per exec, between fork and exec (`preexec_fn`), as root:
+1. PR_SET_PDEATHSIG: the command's leader dies with the controller;
+2. new mount, IPC, UTS and (unless `network=True`) network namespaces; a fresh network namespace has
+   only a downed loopback, so even 127.0.0.1 is unreachable;
+3. mount propagation made private, then the system directories (/usr, /etc, ... from the host or
+   from a full-root template) bind-mounted read-only and nosuid into R, a minimal /dev, a private
+   /dev/shm tmpfs and /proc;
+4. chroot(R), chdir(cwd), rlimits (address space = memory_mb, CPU seconds, file size = disk_mb,
+   processes = max_processes, no core files), no_new_privs, and the sandbox's own uid;
+5. exec `timeout -k 2 T /bin/sh -c CMD` in a new session: the deadline is enforced inside, and it
+   kills the command's whole process group.
+
+So `/logs`, `/tests` and the workdir are plain directories of R, at their absolute paths, and the
+Harbor layout works unchanged. Another episode's R is both outside this chroot and 0700 under
+another uid.
+
+Without root (HPC login nodes) the same backend degrades, and says so in `isolation`: no chroot
+(paths map to R/<path> and commands get $SANDBOX_ROOT, cwd, HOME and TMPDIR inside R), the network
+namespace comes from an unprivileged user namespace, and RLIMIT_NPROC is not applied (it would
+count all of the user's processes). Use bwrap for real isolation without root.
+
+Not covered: cgroups. The memory limit is RLIMIT_AS, so a hog fails its allocation (MemoryError,
+ENOMEM) rather than being OOM-killed, and `cpu` only scales the CPU-seconds guard.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from miles.sandboxes import linux
+from miles.sandboxes.base import ExecResult, SandboxError
+from miles.sandboxes.host import (SYSTEM_DIRS, HostBackend, HostSandbox, RootTemplate,
+                                  require_binary)
+from miles.sandboxes.base import timeout_argv
+
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+SETUP_FAILED = "miles-sandbox-setup-failed: "
+
+
+def _setup_failed(exc: BaseException) -> None:
+    # fd 2 is already the stderr pipe here; the parent turns this line into a SandboxError.
+    try:
+        os.write(2, f"{SETUP_FAILED}{exc!r}\n".encode())
+    finally:
+        os._exit(125)
+
+
+def _enter_jail(root: str, sys_root: str, cwd: str, uid: int, network: bool,
+                limits: dict) -> None:
+    try:
+        linux.die_with_parent()
+        flags = linux.CLONE_NEWNS | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
+        linux.unshare(flags if network else flags | linux.CLONE_NEWNET)
+        linux.make_mounts_private()
+        for name in SYSTEM_DIRS:
+            src, dst = os.path.join(sys_root, name), os.path.join(root, name)
+            if os.path.isdir(dst) and not os.path.islink(dst) and os.path.isdir(src):
+                linux.bind(src, dst, readonly=True, recursive=(name == "etc"))
+        for node in DEV_NODES:
+            linux.bind(f"/dev/{node}", os.path.join(root, "dev", node), readonly=False)
+        linux.mount("tmpfs", os.path.join(root, "dev/shm"), "tmpfs",
+                    linux.MS_NOSUID | linux.MS_NODEV, "mode=1777,size=64m")
+        linux.mount("proc", os.path.join(root, "proc"), "proc",
+                    linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
+        os.chroot(root)
+        os.chdir(cwd)
+        linux.set_limits(**limits)
+        linux.no_new_privs()
+        linux.drop_to(uid, uid)
+    except BaseException as exc:  # noqa: BLE001 - anything here must become a clean exit
+        _setup_failed(exc)
+
+
+def _enter_unprivileged(network: bool, limits: dict) -> None:
+    try:
+        linux.die_with_parent()
+        if not network:
+            linux.unshare(linux.CLONE_NEWUSER | linux.CLONE_NEWNET)
+        linux.set_limits(**limits)
+        linux.no_new_privs()
+    except BaseException as exc:  # noqa: BLE001
+        _setup_failed(exc)
+
+
+class SubprocessSandbox(HostSandbox):
+    backend_name = "subprocess"
+
+    @property
+    def isolation(self) -> str:
+        return "chroot+uid+netns" if self.backend.privileged else "directory+netns (no root)"
+
+    async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
+                    timeout_s: float) -> ExecResult:
+        limits = self.limits(timeout_s)
+        wrapped = timeout_argv(timeout_s, argv, self.backend.kill_after_s)
+        self.ensure_dir(cwd)
+        if self.backend.privileged:
+            preexec = _bound(_enter_jail, self.root, self.sys_root, cwd, self.uid,
+                             self.spec.network, limits)
+            result = await self.run_host(wrapped, self.exec_env(env), timeout_s, preexec)
+        else:
+            preexec = _bound(_enter_unprivileged, self.spec.network, limits)
+            full_env = self.exec_env(env, home=self.host_path("/root"),
+                                     tmp=self.host_path("/tmp"))
+            full_env["SANDBOX_ROOT"] = self.root
+            result = await self.run_host(wrapped, full_env, timeout_s, preexec,
+                                         cwd=self.host_path(cwd))
+        if result.exit_code == 125 and SETUP_FAILED in result.stderr:
+            raise SandboxError(f"subprocess sandbox {self.id}: setup before exec failed: "
+                               f"{result.stderr.split(SETUP_FAILED, 1)[1].strip()}")
+        return result
+
+
+def _bound(fn, *args):
+    return lambda: fn(*args)
+
+
+class SubprocessBackend(HostBackend):
+    """Options: base_dir, uid_range, default_timeout_s, max_output_bytes, kill_after_s,
+    build_timeout_s (see HostBackend)."""
+
+    name = "subprocess"
+    sandbox_cls = SubprocessSandbox
+
+    def __init__(self, **opts):
+        if not sys.platform.startswith("linux"):
+            from miles.sandboxes.base import BackendUnavailableError
+            raise BackendUnavailableError("backend subprocess needs Linux namespaces")
+        super().__init__(**opts)
+        require_binary("timeout", self.name, "coreutils")
+        require_binary("setpriv", self.name, "util-linux")
+
+    def prepare_root(self, root: str, uid: int, template: RootTemplate | None) -> None:
+        if not self.privileged:
+            return
+        super().prepare_root(root, uid, template)
+        os.makedirs(os.path.join(root, "proc"), exist_ok=True)
+        dev = os.path.join(root, "dev")
+        os.makedirs(os.path.join(dev, "shm"), exist_ok=True)
+        for node in DEV_NODES:
+            open(os.path.join(dev, node), "a").close()
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+            if not os.path.lexists(os.path.join(dev, name)):
+                os.symlink(target, os.path.join(dev, name))
