@@ -2,6 +2,10 @@
 
 Kept small and stable on purpose: several test files import these names.
 
+- `sglang_wheel` is the released sglang wheel (downloaded once with `pip download --no-deps`
+  into the Miles cache, skipped when offline); `.read(member)` returns one of its files. Tests read SGLang's own schema and CLI from it; nothing of it is committed.
+- `embedded_engines(n)` starts n real embedded engines (tiny Qwen3, one torch thread each) as
+  `ServerProcess`es on free loopback ports and stops them at teardown.
 - `fake_engine(name, dp_size=1)` starts an aiohttp app on 127.0.0.1 that answers the routes smg
   needs to register a worker (`/health`, `/server_info`, `/model_info`, `/v1/models`) plus
   `/generate` and the control routes, and records every request it receives. It is for testing
@@ -12,13 +16,22 @@ Kept small and stable on purpose: several test files import these names.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 
+from miles.engines.procs import ServerProcess
 from miles.engines.procs import free_port as _free_port
+from miles.tiny import build_tiny_model, default_cache_dir
+
+SGLANG_WHEEL_VERSION = "0.5.23"
 
 
 @pytest.fixture
@@ -104,3 +117,72 @@ async def fake_engine():
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+@dataclass(frozen=True)
+class SGLangWheel:
+    path: Path
+    version: str = SGLANG_WHEEL_VERSION
+
+    def members(self) -> list[str]:
+        with zipfile.ZipFile(self.path) as zf:
+            return zf.namelist()
+
+    def read(self, member: str) -> str:
+        """One file of the wheel, e.g. 'sglang/api/v1/api_types.py'."""
+        with zipfile.ZipFile(self.path) as zf:
+            return zf.read(member).decode()
+
+
+@pytest.fixture(scope="session")
+def sglang_wheel() -> SGLangWheel:
+    cache = default_cache_dir() / "sglang-wheel"
+    pattern = f"sglang-{SGLANG_WHEEL_VERSION}-*.whl"
+    if not list(cache.glob(pattern)):
+        # One fixed platform, so every machine reads the same files (only .py files are used).
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary",
+               ":all:", "--platform", "manylinux_2_34_x86_64", "--python-version", "3.11",
+               f"sglang=={SGLANG_WHEEL_VERSION}", "-d", str(cache)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            error = done.stderr.strip().splitlines()[-1:] if done.returncode else None
+        except (OSError, subprocess.TimeoutExpired) as e:
+            error = [repr(e)]
+        if error or not list(cache.glob(pattern)):
+            pytest.skip(f"sglang=={SGLANG_WHEEL_VERSION} wheel not in {cache} and pip download "
+                        f"failed (offline?): {error}")
+    return SGLangWheel(sorted(cache.glob(pattern))[-1])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    return build_tiny_model(arch="qwen3")
+
+
+@dataclass
+class Engine:
+    url: str
+    process: ServerProcess
+
+
+@pytest.fixture
+async def embedded_engines(tiny_qwen3, tmp_path):
+    """Call `await embedded_engines(n)` to start n engines in parallel; all stop at teardown."""
+    started: list[Engine] = []
+
+    async def start(n: int, *extra: str) -> list[Engine]:
+        engines = []
+        for _ in range(n):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "miles.engines.embedded", "--model-path", str(tiny_qwen3),
+                   "--host", "127.0.0.1", "--port", str(port), "--torch-threads", "1",
+                   "--random-seed", "0", "--log-level", "warning", *extra]
+            proc = ServerProcess(f"embedded-{port}", cmd, log_path=tmp_path / f"engine-{port}.log",
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            engines.append(Engine(f"http://127.0.0.1:{port}", proc.start()))
+        started.extend(engines)
+        await asyncio.gather(*[e.process.wait_healthy(e.url, timeout_s=120) for e in engines])
+        return engines
+
+    yield start
+    await asyncio.gather(*[e.process.stop_async(grace_s=5) for e in started])
