@@ -113,16 +113,15 @@ def gae_advantages(
     delta_t = r_t + gamma * V_{t+1} - V_t (V after the last model token is 0),
     A_t = delta_t + gamma * lambd * A_{t+1}, returns_t = A_t + V_t.
     """
-    mask = _check_token_tensor("loss_mask", loss_mask, None)
+    mask = require_1d("loss_mask", loss_mask, None)
     require_mask("loss_mask", mask)
-    vals = _check_token_tensor("values", values, mask.shape[0]).detach().to(torch.float32)
+    vals = require_1d("values", values, mask.shape[0]).detach().to(torch.float32)
     require_float("values", vals)
     require_finite("values", vals)
     token_rewards = _token_rewards(rewards, mask, cu_seqlens, kl=kl, kl_coef=kl_coef)
 
     keep = mask != 0
-    action_cu = cu_seqlens_from_lengths(segment_sum(keep.to(torch.int64), check_stream(cu_seqlens, mask.shape[0])))
-    action_cu = action_cu.to(mask.device)
+    action_cu = _action_cu_seqlens(keep, check_stream(cu_seqlens, mask.shape[0], mask.device))
     r = to_padded(token_rewards[keep], action_cu)
     v = to_padded(vals[keep], action_cu)
     next_v = torch.cat([v[:, 1:], v.new_zeros(v.shape[0], 1)], dim=1)
@@ -172,8 +171,8 @@ def apply_distillation(
 ) -> torch.Tensor:
     """On-policy distillation hook: A_t - opd_kl_coef * (log pi_student - log pi_teacher) (reverse KL)."""
     n = advantages.shape[0]
-    student = _check_token_tensor("student_logprobs", student_logprobs, n).detach().to(torch.float32)
-    teacher = _check_token_tensor("teacher_logprobs", teacher_logprobs, n).detach().to(torch.float32)
+    student = require_1d("student_logprobs", student_logprobs, n).detach().to(torch.float32)
+    teacher = require_1d("teacher_logprobs", teacher_logprobs, n).detach().to(torch.float32)
     require_finite("teacher_logprobs", teacher)
     shaped = advantages - opd_kl_coef * (student - teacher)
     return torch.where(loss_mask != 0, shaped, torch.zeros_like(shaped))
@@ -200,9 +199,9 @@ def compute_advantages(
     `kl` is the per-token estimate for reward shaping (needed when cfg.kl_coef > 0), e.g.
     `kl_penalty(old_logprobs, ref_logprobs, "k1")`. `values` are the critic's (PPO only).
     """
-    mask = _check_token_tensor("loss_mask", loss_mask, None)
+    mask = require_1d("loss_mask", loss_mask, None)
     require_mask("loss_mask", mask)
-    cu = check_stream(cu_seqlens, mask.shape[0])
+    cu = check_stream(cu_seqlens, mask.shape[0], mask.device)
     num_samples = cu.shape[0] - 1
     require_1d("rewards", rewards, num_samples)
     estimator = cfg.advantage_estimator
@@ -214,7 +213,7 @@ def compute_advantages(
         per_sample = group_advantages(
             rewards, _need("group_ids", group_ids, estimator), normalize_std=cfg.std_normalized, rollout_ids=rollout_ids
         )
-        advantages = _masked(broadcast_to_tokens(per_sample, cu), mask)
+        advantages = _masked(broadcast_to_tokens(per_sample.to(mask.device), cu), mask)
         returns = advantages
     elif estimator == "reinforce_plus_plus":
         returns = reinforce_plus_plus_returns(rewards, mask, cu, gamma=cfg.gamma, kl=shaping_kl, kl_coef=cfg.kl_coef)
@@ -223,7 +222,7 @@ def compute_advantages(
         per_sample = group_advantages(
             rewards, _need("group_ids", group_ids, estimator), normalize_std=False, rollout_ids=rollout_ids
         )
-        returns = broadcast_to_tokens(per_sample, cu)
+        returns = broadcast_to_tokens(per_sample.to(mask.device), cu)
         if shaping_kl is not None:
             returns = returns - cfg.kl_coef * _shaping_kl(shaping_kl, mask.shape[0])
         returns = _masked(returns, mask)
@@ -302,9 +301,9 @@ def _token_rewards(
     kl_coef: float,
 ) -> torch.Tensor:
     """float32 [num_tokens]: -kl_coef * kl_t on model tokens, plus the reward on each last model token."""
-    mask = _check_token_tensor("loss_mask", loss_mask, None)
+    mask = require_1d("loss_mask", loss_mask, None)
     require_mask("loss_mask", mask)
-    cu = check_stream(cu_seqlens, mask.shape[0])
+    cu = check_stream(cu_seqlens, mask.shape[0], mask.device)
     require_1d("rewards", rewards, cu.shape[0] - 1)
     require_float("rewards", rewards)
     require_finite("rewards", rewards)
@@ -316,9 +315,9 @@ def _token_rewards(
     positions = torch.where(keep, torch.arange(mask.shape[0], device=mask.device), -1)
     last = to_padded(positions, cu, pad_value=-1).amax(dim=1) if cu.shape[0] > 1 else positions[:0]
     has_action = last >= 0
-    token_rewards = token_rewards.index_put(
-        (last[has_action],), token_rewards[last[has_action]] + rewards.detach().to(torch.float32)[has_action]
-    )
+    sample_rewards = rewards.detach().to(mask.device, torch.float32)[has_action]
+    ends = last[has_action]
+    token_rewards = token_rewards.index_put((ends,), token_rewards[ends] + sample_rewards)
     return token_rewards
 
 
@@ -327,12 +326,16 @@ def _reverse_discounted_sum(
 ) -> torch.Tensor:
     """Per sample, over model tokens only: y_t = x_t + discount * y_{t+1}. 0 where mask is 0."""
     keep = loss_mask != 0
-    cu = check_stream(cu_seqlens, keep.shape[0])
-    action_cu = cu_seqlens_from_lengths(segment_sum(keep.to(torch.int64), cu)).to(keep.device)
+    action_cu = _action_cu_seqlens(keep, check_stream(cu_seqlens, keep.shape[0], keep.device))
     grid = _reverse_scan(to_padded(x[keep], action_cu), discount)
     out = torch.zeros_like(x)
     out[keep] = from_padded(grid, action_cu)
     return out
+
+
+def _action_cu_seqlens(keep: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens of the stream that keeps only model tokens (the time axis of the scans)."""
+    return cu_seqlens_from_lengths(segment_sum(keep.to(torch.int64), cu_seqlens)).to(keep.device)
 
 
 def _reverse_scan(grid: torch.Tensor, discount: float) -> torch.Tensor:
@@ -346,13 +349,9 @@ def _reverse_scan(grid: torch.Tensor, discount: float) -> torch.Tensor:
 
 
 def _shaping_kl(kl: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    k = _check_token_tensor("kl", kl, num_tokens).detach().to(torch.float32)
+    k = require_1d("kl", kl, num_tokens).detach().to(torch.float32)
     require_finite("kl", k)
     return k
-
-
-def _check_token_tensor(name: str, t: torch.Tensor | None, num_tokens: int | None) -> torch.Tensor:
-    return require_1d(name, t, num_tokens)
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from miles.algo.checks import require_1d, require_cu_seqlens, require_integer
+from miles.algo.checks import require_1d, require_cu_seqlens
 
 
 def ids_to_index(ids: Sequence[Hashable], *, empty_is_unique: bool = False) -> torch.Tensor:
@@ -94,12 +94,15 @@ def broadcast_to_tokens(per_sample: torch.Tensor, cu_seqlens: torch.Tensor) -> t
 def loss_mask_counts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """int64 [num_samples]: number of trained (mask = 1) tokens per sample."""
     mask = require_1d("loss_mask", loss_mask)
-    require_cu_seqlens(cu_seqlens, mask.shape[0])
-    return segment_sum(mask.to(torch.int64), cu_seqlens)
+    cu = check_stream(cu_seqlens, mask.shape[0], mask.device)
+    return segment_sum(mask.to(torch.int64), cu)
 
 
-def check_stream(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Validate cu_seqlens against a token stream and return it as int64."""
+def check_stream(cu_seqlens: torch.Tensor, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """Validate cu_seqlens against a token stream; return it as int64 on the tokens' device.
+
+    The backend may keep cu_seqlens (or any per-sample metadata) on the CPU while the token tensors
+    live on the GPU; every entry point moves the metadata, never the tokens.
+    """
     cu = require_cu_seqlens(cu_seqlens, num_tokens)
-    require_integer("cu_seqlens", cu)
-    return cu.to(torch.int64)
+    return cu.to(device=device, dtype=torch.int64)

@@ -175,7 +175,7 @@ def _token_stream(cu_seqlens: torch.Tensor | None, **given: torch.Tensor | None)
                 f"{first_name} must be 1-D [num_tokens] when cu_seqlens is given (pass cu_seqlens=None for a "
                 f"padded [B, T] batch), got shape {tuple(shape)}"
             )
-        cu = check_stream(cu_seqlens.to(mask.device), shape[0])
+        cu = check_stream(cu_seqlens, shape[0], mask.device)
     mask = present["loss_mask"]
     require_mask("loss_mask", mask)
     keep = mask != 0

@@ -84,13 +84,13 @@ def token_weights(
     `sample_denominators` are this micro-batch's samples' entries of `loss_denominators(...)`.
     """
     mask = require_1d("loss_mask", loss_mask)
-    cu = check_stream(cu_seqlens, mask.shape[0])
+    cu = check_stream(cu_seqlens, mask.shape[0], mask.device)
     denominators = require_1d("sample_denominators", sample_denominators, cu.shape[0] - 1)
     require_finite("sample_denominators", denominators)
     if bool((denominators <= 0).any()):
         index = int((denominators <= 0).nonzero()[0, 0])
         raise ValueError(f"sample_denominators must be > 0, got {denominators[index].item()} at index {index}")
-    per_token = broadcast_to_tokens(denominators.to(torch.float64), cu)
+    per_token = broadcast_to_tokens(denominators.to(mask.device, torch.float64), cu)
     return (mask.to(torch.float64) / per_token).to(torch.float32)
 
 
