@@ -1,9 +1,11 @@
 """Actors: typed async handlers behind a ZeroMQ inbox, refs to call them, streams, the registry.
 
 Design decisions:
-- A handler is any `async def` method whose single parameter is annotated with a `Message`
-  subclass; the return annotation is the reply type. No decorators, no string dispatch: the type
-  of the incoming message picks the handler, and a user's subclass adds handlers by writing methods.
+- A handler is any method whose single parameter is annotated with a `Message` subclass; the
+  return annotation is the reply type. No decorators, no string dispatch: the type of the
+  incoming message picks the handler, and a user's subclass adds handlers by writing methods.
+  A plain `def` handler runs inline as the frame is read (cheapest: no task); an `async def` one
+  gets a task of its own and may await.
 - Handlers of one actor run concurrently on its event loop (an RL buffer's `get` must be able to
   wait while a `put` arrives). State is safe between awaits because the loop is single-threaded.
 - `ActorRef.call(msg, timeout_s)` never hangs: it ends with the reply, a `RemoteError` (the
@@ -30,10 +32,9 @@ import typing
 from typing import Any, AsyncIterator, Callable
 
 import zmq
-import zmq.asyncio
 
 from miles.wire.codec import Codec
-from miles.wire.messages import (ActorInfo, ActorList, ErrorReply, GetMetrics, Header, Heartbeat,
+from miles.wire.messages import (registered_messages, ActorInfo, ActorList, ErrorReply, GetMetrics, Header, Heartbeat,
                                  ListActors, Lookup, Message, Metrics, Ok, Ping, Pong, Register,
                                  Shutdown, StreamOpen, Unregister)
 from miles.wire.transport import Connection, ConnectionLost, RemoteError, Server
@@ -69,7 +70,7 @@ class Runtime:
     """Per-process state: the ZeroMQ context, the codec, connections, and the registry's address."""
 
     def __init__(self, registry: str | None = None, name: str = "", node_rank: int = 0):
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.codec = Codec()
         self.registry_endpoint = registry
         self.name = name or f"client-{os.getpid()}"
@@ -288,15 +289,17 @@ def _handlers_of(cls: type) -> dict[type[Message], Callable]:
     table: dict[type[Message], Callable] = {}
     for klass in reversed(cls.__mro__):
         for attr, fn in vars(klass).items():
-            if not inspect.iscoroutinefunction(fn) or attr.startswith("__"):
+            if not inspect.isfunction(fn) or attr.startswith("_"):
                 continue
             params = list(inspect.signature(fn).parameters.values())[1:]
             if len(params) != 1:
                 continue
-            try:
-                hint = typing.get_type_hints(fn).get(params[0].name)
-            except Exception:
-                continue
+            hint = params[0].annotation
+            if isinstance(hint, str):  # postponed annotations: resolve, else by message tag
+                try:
+                    hint = typing.get_type_hints(fn).get(params[0].name)
+                except Exception:
+                    hint = registered_messages().get(hint.rsplit(".", 1)[-1])
             if isinstance(hint, type) and issubclass(hint, Message):
                 table[hint] = fn
     return table
@@ -380,10 +383,10 @@ class Actor:
 
     # ----- built-in handlers -----------------------------------------------------------------
 
-    async def on_ping(self, msg: Ping) -> Pong:
+    def on_ping(self, msg: Ping) -> Pong:
         return Pong(payload=msg.payload, actor=self.name, incarnation=self.incarnation)
 
-    async def on_get_metrics(self, msg: GetMetrics) -> Metrics:
+    def on_get_metrics(self, msg: GetMetrics) -> Metrics:
         return Metrics(actor=self.name, values=self.metrics())
 
     async def on_shutdown(self, msg: Shutdown) -> Ok:
@@ -402,7 +405,7 @@ class Actor:
         kind = header.kind
         if kind == "call" or kind == "tell":
             self.counters["calls" if kind == "call" else "tells"] += 1
-            self._spawn(self._run_handler(ident, header, msg))
+            self._handle(ident, header, msg)
         elif kind == "stream_open":
             self._open_stream(ident, header, msg)
         elif kind in ("stream_item", "stream_end", "stream_close"):
@@ -412,22 +415,40 @@ class Actor:
                                     StreamReceiver._END if kind == "stream_end" else
                                     ActorError(f"sender aborted stream: {getattr(msg, 'detail', '')}"))
 
-    async def _run_handler(self, ident: bytes, header: Header, msg: Message) -> None:
+    def _handle(self, ident: bytes, header: Header, msg: Message) -> None:
+        """Run a plain (`def`) handler inline; an `async def` one in a task of its own."""
         handler = self._handlers.get(type(msg))
         try:
             if handler is None:
                 raise ActorError(f"actor {self.name!r} has no handler for {type(msg).__name__}")
-            result = await handler(self, msg)
-            if header.kind == "call":
-                await self.server.send(ident, "reply", result if result is not None else Ok(),
-                                       header.id)
+            result = handler(self, msg)
         except Exception as e:
-            self.counters["handler_errors"] += 1
-            if header.kind == "call":
-                await self.server.send(ident, "error", ErrorReply(
-                    error_type=type(e).__name__, message=str(e), actor=self.name), header.id)
-            else:
-                log.exception("%s: handler for %s failed", self.name, type(msg).__name__)
+            self._reply_error(ident, header, msg, e)
+            return
+        if inspect.iscoroutine(result):
+            self._spawn(self._finish_async(ident, header, msg, result))
+        else:
+            self._reply(ident, header, result)
+
+    async def _finish_async(self, ident: bytes, header: Header, msg: Message, coro) -> None:
+        try:
+            result = await coro
+        except Exception as e:
+            self._reply_error(ident, header, msg, e)
+            return
+        self._reply(ident, header, result)
+
+    def _reply(self, ident: bytes, header: Header, result: Message | None) -> None:
+        if header.kind == "call":
+            self.server.send_now(ident, "reply", result if result is not None else Ok(), header.id)
+
+    def _reply_error(self, ident: bytes, header: Header, msg: Message, e: Exception) -> None:
+        self.counters["handler_errors"] += 1
+        if header.kind == "call":
+            self.server.send_now(ident, "error", ErrorReply(
+                error_type=type(e).__name__, message=str(e), actor=self.name), header.id)
+        else:
+            log.error("%s: handler for %s failed: %r", self.name, type(msg).__name__, e)
 
     def _open_stream(self, ident: bytes, header: Header, msg: Message) -> None:
         topic = msg.topic if isinstance(msg, StreamOpen) else "?"
@@ -514,7 +535,7 @@ class Registry(Actor):
             await self._notify()
         return Ok()
 
-    async def on_heartbeat(self, msg: Heartbeat) -> None:
+    def on_heartbeat(self, msg: Heartbeat) -> None:
         entry = self.entries.get(msg.name)
         if entry is not None and entry.incarnation == msg.incarnation:
             self.last_seen[msg.name] = time.monotonic()

@@ -47,6 +47,7 @@ _state = threading.local()
 _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(Header)
 _any_decoder = msgspec.msgpack.Decoder()
+_meta_decoder = msgspec.msgpack.Decoder(tuple[int, str, list[int]])
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -66,22 +67,24 @@ def _enc_hook(obj: Any) -> Any:
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code != ARRAY_EXT:
         raise ValueError(f"unknown msgpack ext code {code}")
-    index, dtype_str, shape = msgspec.msgpack.decode(data)
-    frames: Sequence = _state.frames
-    if not isinstance(index, int) or not 0 <= index < len(frames):
-        raise ValueError(f"array refers to frame {index} but {len(frames)} array frames came")
+    index, dtype_str, shape = _meta_decoder.decode(data)
+    buffers: list = _state.frames
+    if not 0 <= index < len(buffers):
+        raise ValueError(f"array refers to frame {index} but {len(buffers)} array frames came")
     dtype = _DTYPES.get(dtype_str)
     if dtype is None:
         raise ValueError(f"array dtype {dtype_str!r} is not allowed")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"array shape {shape!r} is not a list of non-negative ints")
-    buf = frames[index]
-    buf = buf.buffer if hasattr(buf, "buffer") else buf
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(buf) != expected:
-        raise ValueError(f"array frame {index} has {len(buf)} bytes, expected {expected} for "
-                         f"{dtype_str}{tuple(shape)}")
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    count = 1
+    for d in shape:
+        if d < 0:
+            raise ValueError(f"array shape {shape!r} has a negative dimension")
+        count *= d
+    buf = buffers[index]
+    if len(buf) != count * dtype.itemsize:
+        raise ValueError(f"array frame {index} has {len(buf)} bytes, expected "
+                         f"{count * dtype.itemsize} for {dtype_str}{tuple(shape)}")
+    arr = np.frombuffer(buf, dtype=dtype)
+    return arr if len(shape) == 1 else arr.reshape(shape)
 
 
 def _dec_hook(typ: type, obj: Any) -> Any:
@@ -145,7 +148,7 @@ class Codec:
     def decode(self, frames: Sequence) -> tuple[Header, Message]:
         header = self.decode_header(frames)
         body = _buf(frames[1])
-        _state.frames = frames[2:]
+        _state.frames = [_buf(f) for f in frames[2:]]
         try:
             return header, self._body_decoder().decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
