@@ -1,0 +1,18 @@
+"""Training backends behind one five-method contract (base.py); `make_backend(name)` picks one.
+
+    from miles.backends import TrainConfig, RankInfo, make_backend
+    backend = make_backend(cfg.backend)          # "fsdp" | "megatron"
+    backend.init(cfg, RankInfo.from_env(), loss_cfg)
+    metrics = backend.train(samples)             # the whole step batch, on every rank
+    backend.update_weights(transport, version)
+    backend.save_model(path) / backend.load_model(path) / backend.save_model(path, hf=True)
+    backend.sleep(); backend.wake_up()
+
+The FSDP backend also offers `iter_hf_weight_buckets(bucket_bytes)` (full tensors under HF names),
+and `miles.backends.hf_weights.iter_hf_weight_buckets(model, ...)` for any HF module.
+"""
+
+from miles.backends.base import RankInfo, TrainingBackend, make_backend
+from miles.backends.config import TrainConfig
+
+__all__ = ["RankInfo", "TrainConfig", "TrainingBackend", "make_backend"]

@@ -1,0 +1,145 @@
+"""Packed (varlen) causal attention for transformers models: several samples in one row, no padding.
+
+Design decisions:
+- Registered with transformers' `AttentionInterface` under the name "miles_packed", and loaded with
+  `attn_implementation="miles_packed"`. transformers builds no mask for an implementation it does
+  not know, so no [T, T] mask is ever materialized; the sample boundaries arrive as keyword
+  arguments that the decoder layers pass through to attention unchanged: `cu_seq_lens_q` (int32
+  device tensor, FlashAttention's name), `max_length_q`, and `miles_seq_bounds` (the same
+  boundaries as host ints, so the fallback loop needs no device-to-host sync per layer).
+- Two kernels. `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen, CUDA only) is used
+  when it exists and a probe at start-up shows it matches the reference path in value and
+  gradient; its signature changed between torch releases, so the call adapts to what it finds.
+  Otherwise each sample runs `scaled_dot_product_attention(is_causal=True)` on its own slice: exact,
+  uses the flash kernel on CUDA, and costs one launch per sample per layer.
+- Called without boundaries (a plain forward, e.g. a user's eval), each row is one causal sequence.
+- Sliding-window attention is refused, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "miles_packed"
+
+_varlen_fn = None       # set by enable_varlen_kernel() after a successful probe
+_varlen_params: set[str] = set()
+
+
+def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             scaling: float | None = None, dropout: float = 0.0,
+                             sliding_window: int | None = None, **kwargs):
+    """transformers attention function: q [B, Hq, T, D], k/v [B, Hkv, T, D] -> ([B, T, Hq, D], None)."""
+    if sliding_window is not None:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: sliding_window={sliding_window} is not "
+                                  "supported; set use_sliding_window=false in the model config")
+    if dropout:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: attention dropout={dropout} is not supported")
+    if attention_mask is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: got an attention_mask; packed attention takes "
+                         "sample boundaries (cu_seq_lens_q), not a mask")
+    bounds: Sequence[int] | None = kwargs.get("miles_seq_bounds")
+    if bounds is None:
+        out = _sdpa_causal(query, key, value, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed rows need batch size 1, got {query.shape[0]}")
+    if _varlen_fn is not None and query.is_cuda:
+        out = _varlen(query, key, value, kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"]), scaling)
+        return out.unsqueeze(0), None
+    return segment_attention(query, key, value, bounds, scaling).transpose(1, 2).contiguous(), None
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      bounds: Sequence[int], scaling: float | None) -> torch.Tensor:
+    """Causal attention within each [bounds[i], bounds[i+1]) slice of the row; [1, Hq, T, D]."""
+    parts = [_sdpa_causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling)
+             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _sdpa_causal(query, key, value, scaling):
+    gqa = query.shape[1] != key.shape[1]
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                          enable_gqa=gqa)
+
+
+def _varlen(query, key, value, cu_seqlens, max_len, scaling):
+    # varlen_attn wants [T, H, D]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    kw = {"scale": scaling}
+    if "window_size" in _varlen_params:
+        kw["window_size"] = (-1, 0)   # (-1, 0) is causal in the window_size form
+    else:
+        kw["is_causal"] = True
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _varlen_params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return _varlen_fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+def enable_varlen_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Use torch's FlashAttention varlen kernel if it exists here and matches the reference path."""
+    global _varlen_fn, _varlen_params
+    _varlen_fn = None
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        log.info("packed attention: torch has no varlen_attn; using per-sample sdpa")
+        return False
+    candidate_params = set(inspect.signature(varlen_attn).parameters)
+    try:
+        ok = _probe(varlen_attn, candidate_params, device, dtype)
+    except Exception as exc:  # any failure means "do not use it", never a crash
+        log.warning("packed attention: varlen_attn probe failed (%s: %s); using per-sample sdpa",
+                    type(exc).__name__, exc)
+        return False
+    if ok:
+        _varlen_fn, _varlen_params = varlen_attn, candidate_params
+        log.info("packed attention: using torch varlen_attn")
+    else:
+        log.warning("packed attention: varlen_attn disagrees with sdpa; using per-sample sdpa")
+    return ok
+
+
+def _probe(fn, params, device, dtype) -> bool:
+    global _varlen_fn, _varlen_params
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    bounds = [0, 37, 100, 164]
+    shape_q, shape_kv = (1, 4, bounds[-1], 64), (1, 2, bounds[-1], 64)
+    q, k, v = (torch.randn(s, generator=gen).to(device, dtype).requires_grad_()
+               for s in (shape_q, shape_kv, shape_kv))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    ref = segment_attention(q, k, v, bounds, None).transpose(1, 2)[0]
+    _varlen_fn, _varlen_params = fn, params
+    try:
+        got = _varlen(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])), None)
+    finally:
+        _varlen_fn, _varlen_params = None, set()
+    grads_ref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    grads_got = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    close = torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+    return close and all(torch.allclose(a.float(), b.float(), atol=5 * tol, rtol=5 * tol)
+                         for a, b in zip(grads_got, grads_ref))

@@ -1,0 +1,133 @@
+"""The training-backend contract: five methods, and the factory that picks a backend by name.
+
+    init(config, rank, loss)            build model, optimizer, parallel layout
+    train(samples) -> metrics           one batch: log-prob recompute, loss, backward, optimizer step(s)
+    update_weights(transport, version)  push the current weights through a WeightTransport
+    save_model(path, hf=False, ...)     resumable checkpoint, or an HF directory; load_model resumes
+    sleep() / wake_up()                 give device memory to a colocated engine and take it back
+
+Design decisions:
+- Every trainer rank runs the same calls in the same order (the ranks form one torch distributed
+  group; most methods are collectives). `train` receives the WHOLE step's batch on every rank and
+  the backend picks each rank's share: only the backend knows its parallel layout (data-parallel
+  ranks for FSDP; DP x TP x PP for Megatron), so nothing above this line needs to.
+- Nothing above this line knows which backend runs: `make_backend(config.backend)` is the only
+  place a name turns into a class, and it imports the backend module lazily (Megatron's imports
+  must not be needed to run FSDP).
+- `RankInfo` comes from torchrun's environment variables; the node daemon sets them when it
+  spawns trainer ranks, and tests set them by hand.
+- This package never imports `miles.actors`: actors host backends, not the other way round.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.algo import LossConfig
+from miles.backends.config import TrainConfig
+from miles.weights.base import WeightTransport
+from miles.wire.messages import Sample
+
+Metrics = dict[str, float]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the trainer group (torchrun's variables)."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0           # 0 with world_size 1: an in-process store, no port needed
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "RankInfo":
+        env = os.environ if env is None else env
+        try:
+            info = cls(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
+                       local_rank=int(env.get("LOCAL_RANK", 0)),
+                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=int(env.get("MASTER_PORT", 0)))
+        except ValueError as exc:
+            raise ValueError(f"RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT must be integers: {exc}") from None
+        info.check()
+        return info
+
+    def check(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RankInfo: rank={self.rank} world_size={self.world_size}; need "
+                             "0 <= rank < world_size")
+        if self.world_size > 1 and not 0 < self.master_port < 65536:
+            raise ValueError(f"RankInfo: MASTER_PORT={self.master_port} must be set (1-65535) when "
+                             f"WORLD_SIZE={self.world_size} > 1")
+
+
+class TrainingBackend(ABC):
+    """One trainer rank's view of the model. Every rank makes the same calls in the same order."""
+
+    name: str = ""
+
+    @abstractmethod
+    def init(self, config: TrainConfig, rank: RankInfo, loss: LossConfig | None = None) -> None:
+        """Join the trainer group, load `config.model_path`, shard it, build the optimizer."""
+
+    @abstractmethod
+    def train(self, samples: Sequence[Sample]) -> Metrics:
+        """Train on one batch (the whole batch, on every rank); return step metrics (same on all ranks).
+
+        Refuses a bad batch with ValueError naming the sample and field, before any optimizer step.
+        """
+
+    @abstractmethod
+    def update_weights(self, transport: WeightTransport, version: int) -> None:
+        """Send the current weights (HF names, full tensors, in buckets) as `version`.
+
+        On ranks where `transport.is_sender`: begin(version), send_bucket(...)*, finish(version).
+        Engines are paused around this call by the publisher, not here.
+        """
+
+    @abstractmethod
+    def save_model(self, path: str | Path, hf: bool = False,
+                   extra_state: dict[str, Any] | None = None) -> None:
+        """hf=False: resumable checkpoint (model, optimizer, step, RNG, `extra_state` JSON).
+        hf=True: an HF safetensors directory (weights only) loadable by `from_pretrained`."""
+
+    @abstractmethod
+    def load_model(self, path: str | Path) -> dict[str, Any]:
+        """Resume from a `save_model(hf=False)` directory; returns the saved `extra_state`."""
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Move parameters, gradients and optimizer state off the device."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Bring back what `sleep` moved; training continues exactly where it was."""
+
+    @property
+    @abstractmethod
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by load_model)."""
+
+    def close(self) -> None:
+        """Release the process group and device memory (optional)."""
+
+
+BACKEND_CLASSES = {
+    "fsdp": "miles.backends.fsdp:FSDPBackend",
+    "megatron": "miles.backends.megatron:MegatronBackend",
+}
+
+
+def make_backend(name: str) -> TrainingBackend:
+    """The backend named by `train.backend`, not yet initialized."""
+    if name not in BACKEND_CLASSES:
+        raise ValueError(f"train.backend={name!r} is not one of {', '.join(BACKEND_CLASSES)}")
+    module, cls = BACKEND_CLASSES[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,125 @@
+"""Full (unsharded) weights under HF checkpoint names, in buckets: for weight sync and HF export.
+
+Design decisions:
+- One generator, `iter_hf_weight_buckets`, serves both the weight transports (update_weights) and
+  the safetensors export, so the names engines load and the names on disk can never drift apart.
+- Every rank must run the generator to the end: gathering a sharded parameter is a collective.
+  Ranks that do not send simply drop the tensors.
+- transformers 5 keeps MoE experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H] with
+  gate rows first, `mlp.experts.down_proj` [E, H, I]); checkpoints and SGLang use one tensor per
+  expert (`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]). The split
+  happens here, after the gather, and nowhere else.
+- Tied embeddings appear once (`model.embed_tokens.weight`), as in an HF checkpoint of a tied model.
+- Tensors are cast to the export dtype and made contiguous before they leave; a bucket closes when
+  adding the next tensor would pass `bucket_bytes` (a tensor larger than that gets a bucket alone).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+_FUSED_GATE_UP = re.compile(r"^(.*\.mlp\.experts)\.gate_up_proj$")
+_FUSED_DOWN = re.compile(r"^(.*\.mlp\.experts)\.down_proj$")
+
+
+def to_hf_names(name: str, full: torch.Tensor) -> NamedTensors:
+    """One in-memory parameter -> its checkpoint tensors (several for fused MoE experts)."""
+    if (m := _FUSED_GATE_UP.match(name)) and full.dim() == 3:
+        inter = full.shape[1] // 2
+        out = []
+        for e in range(full.shape[0]):
+            out.append((f"{m.group(1)}.{e}.gate_proj.weight", full[e, :inter]))
+            out.append((f"{m.group(1)}.{e}.up_proj.weight", full[e, inter:]))
+        return out
+    if (m := _FUSED_DOWN.match(name)) and full.dim() == 3:
+        return [(f"{m.group(1)}.{e}.down_proj.weight", full[e]) for e in range(full.shape[0])]
+    return [(name, full)]
+
+
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    data = param.detach()
+    if hasattr(data, "full_tensor"):  # DTensor (FSDP2 shard): all-gather across the mesh
+        return data.full_tensor()
+    return data
+
+
+def iter_hf_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
+                           device: torch.device | str | None = None) -> Iterator[NamedTensors]:
+    """Yield lists of (HF name, full tensor) of about `bucket_bytes` each, in parameter order.
+
+    `model` is the HF causal LM (its parameters may be FSDP DTensor shards). `dtype` None keeps the
+    parameter dtype; `device` None keeps the tensors where the gather put them.
+    """
+    bucket: NamedTensors = []
+    size = 0
+    for name, param in model.named_parameters():
+        full = _full_tensor(param)
+        if dtype is not None:
+            full = full.to(dtype)
+        if device is not None:
+            full = full.to(device)
+        for hf_name, tensor in to_hf_names(name, full):
+            tensor = tensor.contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((hf_name, tensor))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def export_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, *, write: bool,
+              dtype: torch.dtype, shard_bytes: int = 4 << 30) -> None:
+    """Write an HF directory (safetensors + config + tokenizer files) loadable by from_pretrained.
+
+    Every rank calls this (the gather is collective); only the rank with `write` touches the disk.
+    The tokenizer and generation config are copied from `source_dir`, the model's own directory.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+    # Each bucket is written as soon as it is gathered (rank 0 never holds the whole model), under
+    # a provisional name; the final "-of-N" names are known only at the end.
+    written: list[tuple[Path, list[str]]] = []
+    total = 0
+    for k, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes, dtype=dtype, device="cpu")):
+        if not write:
+            continue
+        tmp = out / f".shard-{k:05d}.safetensors"
+        save_file(dict(bucket), str(tmp), metadata={"format": "pt"})
+        written.append((tmp, [name for name, _ in bucket]))
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+    if not write:
+        return
+    weight_map: dict[str, str] = {}
+    for k, (tmp, names) in enumerate(written):
+        fname = ("model.safetensors" if len(written) == 1
+                 else f"model-{k + 1:05d}-of-{len(written):05d}.safetensors")
+        tmp.rename(out / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    if len(written) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = json.loads((Path(source_dir) / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES[dtype]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for src in Path(source_dir).iterdir():
+        if src.is_file() and (src.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
+                                                   "generation_config", "chat_template"))):
+            shutil.copy2(src, out / src.name)
