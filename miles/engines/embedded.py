@@ -10,8 +10,9 @@ Start it (one process per engine; the model is an HF safetensors directory):
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
 registers it like an SGLang worker (`/server_info`, `/model_info`, `/v1/models`, `dp_size: 1`).
-From Python, `launch_embedded_engine(model_path, ...)` starts one as a child process on a free
-loopback port and waits for it; `EmbeddedEngine.stop()` ends it.
+From Python, `await launch_embedded_engine(model_path, extra_args=[...])` starts one as a child
+process (miles.engines.procs.ServerProcess) on a free loopback port and waits for /health;
+`EmbeddedEngine.stop()` ends it.
 
 Design decisions (details in miles/engines/embedded_engine/*):
 - Real generation, not a mock: a Qwen-family forward over HF weights (Qwen2, Qwen3, Qwen3-MoE,
@@ -34,11 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 
@@ -118,73 +115,47 @@ def main(argv: list[str] | None = None) -> None:
 
 # ---- launching from Python (tests, quickstart) -----------------------------------------------
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def embedded_argv(model_path: str | Path, *, host: str = "127.0.0.1", port: int,
+                  extra_args: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "miles.engines.embedded", "--model-path", str(model_path),
+            "--host", host, "--port", str(port), *(extra_args or [])]
 
 
 class EmbeddedEngine:
-    """A running engine child process."""
+    """A running engine child process (a `ServerProcess`) and its URL."""
 
-    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: Path | None):
-        self.proc, self.host, self.port, self.log_path = proc, host, port, log_path
+    def __init__(self, process, host: str, port: int):
+        self.process, self.host, self.port = process, host, port
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.process.stop(grace_s)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def log_tail(self, n_chars: int = 4000) -> str:
-        if self.log_path and self.log_path.exists():
-            return self.log_path.read_text(errors="replace")[-n_chars:]
-        return ""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
+    async def stop_async(self, grace_s: float = 10.0) -> None:
+        await self.process.stop_async(grace_s)
 
 
-def launch_embedded_engine(model_path: str | Path, *, host: str = "127.0.0.1", port: int | None = None,
-                           extra_args: list[str] | None = None, log_path: str | Path | None = None,
-                           ready_timeout_s: float = 120.0, env: dict | None = None) -> EmbeddedEngine:
-    """Start `python -m miles.engines.embedded` and wait until /health answers 200."""
+async def launch_embedded_engine(model_path: str | Path, *, host: str = "127.0.0.1",
+                                 port: int | None = None, extra_args: list[str] | None = None,
+                                 log_path: str | Path | None = None, ready_timeout_s: float = 120.0,
+                                 env: dict | None = None) -> EmbeddedEngine:
+    """Start `python -m miles.engines.embedded` on a free loopback port; wait for /health."""
+    from miles.engines.procs import ServerProcess, free_port
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "miles.engines.embedded", "--model-path", str(model_path),
-           "--host", host, "--port", str(port), *(extra_args or [])]
-    log_file = Path(log_path) if log_path else None
-    out = open(log_file, "w") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
-    engine = EmbeddedEngine(proc, host, port, log_file)
-    deadline = time.time() + ready_timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"embedded engine exited with {proc.returncode} before it was ready:\n"
-                               f"{engine.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"{engine.url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return engine
-        except OSError:
-            pass
-        time.sleep(0.2)
-    engine.stop()
-    raise TimeoutError(f"embedded engine on port {port} not ready after {ready_timeout_s} s:\n"
-                       f"{engine.log_tail()}")
+    proc = ServerProcess(f"embedded-{port}", embedded_argv(model_path, host=host, port=port,
+                                                           extra_args=extra_args),
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                         log_path=log_path).start()
+    engine = EmbeddedEngine(proc, host, port)
+    try:
+        await proc.wait_healthy(engine.url, timeout_s=ready_timeout_s)
+    except BaseException:
+        await proc.stop_async(grace_s=2.0)
+        raise
+    return engine
 
 
 if __name__ == "__main__":
