@@ -1,0 +1,103 @@
+"""OpenAI chat completions: decode a request into a `ChatRequest`, encode a turn as a reply.
+
+Design decisions:
+- Non-streaming is the primary path. `stream: true` is served by emitting the finished turn as
+  a short sequence of `chat.completion.chunk` events (role, reasoning, content, tool calls,
+  finish, optional usage, `[DONE]`): agents that insist on streaming work, and the tokens we
+  record are the same either way.
+- `reasoning_content` carries the parsed reasoning (SGLang's and vLLM's field name);
+  `content` is null when a turn is only tool calls, as OpenAI does.
+- The extension block `miles` in each reply names the session and tree node and says how many
+  tokens this turn appended, which is what the tests and debugging need.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from miles.tito.families.base import Reply
+from miles.tito.messages import RequestError, _short, parse_openai_messages, parse_openai_tools
+from miles.tito.request import ChatRequest, max_tokens, sampling_params
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise RequestError(f"body: expected a JSON object, got {_short(body)}", "body")
+    n = body.get("n", 1)
+    if n != 1:
+        raise RequestError(f"n: only 1 choice per request is supported, got {_short(n)}; "
+                           f"send one request per sample", "n")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"chat_template_kwargs: expected an object, got {_short(kwargs)}", "chat_template_kwargs")
+    options = {}
+    if "enable_thinking" in kwargs:
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise RequestError(f"chat_template_kwargs.enable_thinking: expected a boolean, got "
+                               f"{_short(kwargs['enable_thinking'])}", "chat_template_kwargs.enable_thinking")
+        options["enable_thinking"] = kwargs["enable_thinking"]
+    return ChatRequest(messages=parse_openai_messages(body.get("messages")),
+                       tools=parse_openai_tools(body.get("tools")),
+                       sampling=sampling_params(body, "stop"),
+                       max_tokens=max_tokens(body, "max_completion_tokens", "max_tokens"),
+                       stream=bool(body.get("stream", False)), options=options,
+                       return_routed_experts=bool(body.get("return_routed_experts", False)),
+                       model=str(body.get("model") or ""))
+
+
+def finish_reason(engine_finish: dict, reply: Reply) -> str:
+    kind = (engine_finish or {}).get("type")
+    if kind == "length":
+        return "length"
+    return "tool_calls" if reply.tool_calls else "stop"
+
+
+def reply_message(reply: Reply) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant",
+                           "content": reply.content if (reply.content or not reply.tool_calls) else None}
+    if reply.reasoning is not None:
+        msg["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments_json()}}
+                             for c in reply.tool_calls]
+    return msg
+
+
+def chat_response(req: ChatRequest, reply: Reply, turn: dict[str, Any],
+                  token_logprobs: list[tuple[str, float]] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "message": reply_message(reply),
+                              "finish_reason": finish_reason(turn["finish_reason"], reply), "logprobs": None}
+    if token_logprobs is not None:
+        choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+                                          for t, lp in token_logprobs]}
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+            "model": req.model or "miles", "choices": [choice],
+            "usage": {"prompt_tokens": turn["prompt_tokens"], "completion_tokens": turn["completion_tokens"],
+                      "total_tokens": turn["prompt_tokens"] + turn["completion_tokens"]},
+            "miles": turn}
+
+
+def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> list[dict[str, Any]]:
+    """The finished reply as chat.completion.chunk objects (send each as one SSE `data:` line)."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    choice = response["choices"][0]
+    msg = choice["message"]
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("reasoning_content"):
+        out.append(chunk({"reasoning_content": msg["reasoning_content"]}))
+    if msg.get("content"):
+        out.append(chunk({"content": msg["content"]}))
+    for i, call in enumerate(msg.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": i, **call}]}))
+    out.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        out.append({**base, "choices": [], "usage": response["usage"]})
+    return out

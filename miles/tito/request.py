@@ -1,0 +1,85 @@
+"""One chat turn as both APIs ask for it, and its sampling parameters in SGLang's names.
+
+Design decisions:
+- OpenAI and Anthropic requests decode into one `ChatRequest`; the turn logic never sees either
+  wire format.
+- Sampling parameters are validated here and renamed to SGLang's `sampling_params` keys
+  (`max_tokens` -> `max_new_tokens`, `seed` -> `sampling_seed`): SGLang's contract gate rejects
+  unknown keys, so only keys it knows are ever sent. Unknown request fields (`model`, `user`,
+  `metadata`, `tool_choice`, ...) are ignored, as OpenAI-compatible servers do.
+- `n` must be 1: each sample of a task is its own session (or its own request), which is what
+  keeps every branch of the trajectory tree addressable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from miles.tito.messages import ChatMessage, RequestError, _short
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
+    sampling: dict[str, Any] = {}          # SGLang sampling_params, without max_new_tokens
+    max_tokens: int | None = None
+    stream: bool = False
+    options: dict[str, Any] = {}           # template options (enable_thinking)
+    return_routed_experts: bool = False
+    model: str = ""
+
+
+def number(body: dict, name: str, lo: float | None = None, hi: float | None = None,
+           integer: bool = False) -> float | int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool):
+        kind = "an integer" if integer else "a number"
+        raise RequestError(f"{name}: expected {kind}, got {_short(value)}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"{name}: {value!r} is outside [{lo}, {hi}]", name)
+    return value
+
+
+def stop_strings(value: Any, name: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) and s for s in value):
+        return value
+    raise RequestError(f"{name}: expected a string or a list of non-empty strings, got {_short(value)}", name)
+
+
+def sampling_params(body: dict, stop_field: str = "stop") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, lo, hi in (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
+                         ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                         ("repetition_penalty", 0.0, None)):
+        v = number(body, name, lo, hi)
+        if v is not None:
+            out[name] = float(v)
+    if out.get("top_p") == 0.0:
+        raise RequestError("top_p: 0 would sample from an empty set; expected (0, 1]", "top_p")
+    top_k = number(body, "top_k", -1, None, integer=True)
+    if top_k is not None:
+        out["top_k"] = top_k
+    seed = number(body, "seed", None, None, integer=True)
+    if seed is not None:
+        out["sampling_seed"] = seed
+    stop = stop_strings(body.get(stop_field), stop_field)
+    if stop:
+        out["stop"] = stop
+    return out
+
+
+def max_tokens(body: dict, *names: str) -> int | None:
+    for name in names:
+        v = number(body, name, 1, None, integer=True)
+        if v is not None:
+            return int(v)
+    return None
