@@ -1,50 +1,70 @@
 """miles.algo: advantages, losses, mismatch corrections and loss reduction as pure functions on tensors.
 
-Imports nothing of Miles except its own config. Stable API for the training backends:
+Imports nothing of Miles except its own config. This is the stable API the training backends call.
 
 Layout (packed stream; a padded [B, T] batch is B samples of length T)
-    cu_seqlens: int64 [num_samples + 1]; sample i owns tokens cu_seqlens[i]:cu_seqlens[i + 1].
-    Per-token tensors are 1-D [num_tokens] and aligned with the sampled tokens; loss_mask is 1 on
-    trained (model) tokens, 0 on prompt / tool / padding tokens. A sample is never split across
-    micro-batches.
-    layout.cu_seqlens_from_lengths(lengths) -> cu_seqlens
-    layout.padded_cu_seqlens(batch_size, seq_len) -> cu_seqlens
-    layout.loss_mask_counts(loss_mask, cu_seqlens) -> int64 [num_samples]
+    cu_seqlens: int64 [S + 1]; sample i owns tokens cu_seqlens[i]:cu_seqlens[i + 1] of the stream.
+    Per-token tensors are 1-D [T]: entry t belongs to the sampled token t (its log-prob, advantage,
+    ...). loss_mask [T] (any dtype, 0/1) is 1 on trained model tokens and 0 on prompt, tool and
+    padding tokens; whatever sits under a 0 is ignored, even inf/NaN. A sample is never split across
+    micro-batches. Per-sample metadata (cu_seqlens, rewards, ids, denominators) may stay on the CPU
+    while token tensors are on the GPU. Ids are int tensors: map the wire's string group_id /
+    rollout_id with layout.ids_to_index(ids, empty_is_unique=True).
+    layout.cu_seqlens_from_lengths(lengths) / layout.padded_cu_seqlens(batch_size, seq_len)
+    layout.loss_mask_counts(loss_mask, cu_seqlens) -> int64 [S]
 
 Config
-    LossConfig (msgspec Struct, forbid_unknown_fields): advantage_estimator, normalize_std, gamma,
-    lambd, kl_coef, loss_type, eps_clip(_high, _c), kl_loss_coef, kl_loss_type, entropy_coef,
-    use_tis/tis_clip/tis_clip_low, use_mis/mis_low/mis_high, loss_reduction, value_clip, opd_kl_coef.
+    LossConfig (msgspec Struct, frozen, forbid_unknown_fields; defaults as in slime):
+    advantage_estimator "grpo" | "dr_grpo" | "gspo" | "reinforce_plus_plus" |
+    "reinforce_plus_plus_baseline" | "ppo"; normalize_std, normalize_advantages, gamma, lambd,
+    kl_coef (reward shaping); loss_type "policy" | "sft"; eps_clip, eps_clip_high, eps_clip_c;
+    kl_loss_coef, kl_loss_type, use_unbiased_kl; entropy_coef; use_tis, tis_clip, tis_clip_low;
+    use_mis, mis_low, mis_high; loss_reduction "token" | "sample" | "rollout"; value_clip; opd_kl_coef.
 
-Once per training step, on the whole step (all micro-batches; all DP ranks for the denominators)
+Once per training step
     compute_advantages(cfg, *, rewards[S], loss_mask[T], cu_seqlens[S+1], group_ids[S]=None,
-        rollout_ids[S]=None, kl[T]=None, values[T]=None, student_logprobs=None, teacher_logprobs=None,
-        sum_across_ranks=None) -> AdvantageResult(advantages[T], returns[T])
+        rollout_ids[S]=None, kl[T]=None, values[T]=None, student_logprobs[T]=None,
+        teacher_logprobs[T]=None, sum_across_ranks=None) -> AdvantageResult(advantages[T], returns[T])
+        GRPO-family statistics need every sample of a group in the call; REINFORCE++ whitening uses
+        sum_across_ranks (all_reduce SUM of a float64 [3]) so DP shards whiten with global moments.
     loss_denominators(loss_mask_counts[S], *, reduction=cfg.loss_reduction, rollout_ids[S]=None)
-        -> float64 [S]
+        -> float64 [S]. Call it on the WHOLE step: every micro-batch of every DP rank.
 
-Per micro-batch (slice advantages / denominators to the micro-batch's tokens / samples)
+Per micro-batch
     compute_policy_loss(logprobs, *, loss_mask, sample_denominators, cfg, cu_seqlens=None,
         advantages=None, old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, entropy=None)
-        -> (loss, metrics)
+        -> (loss, metrics: dict[str, 0-d tensor])
     compute_value_loss(values, *, old_values, returns, loss_mask, sample_denominators, cfg,
         cu_seqlens=None) -> (loss, metrics)
-    `loss` is a partial sum: backward it as is; summed over micro-batches it is the step loss.
-    Never divide by the number of micro-batches; under DP with averaged gradients multiply by the
-    DP world size. Metrics are partial sums too: add them over micro-batches and ranks.
+    old_logprobs=None: the old policy is the current one (ratio 1, one update per rollout).
+    `loss` is a partial sum: backward it as is; summed over micro-batches it is the step loss. Never
+    divide by the number of micro-batches; under DP with averaged gradients multiply by the DP world
+    size. Metrics are partial sums too: add them over micro-batches and ranks.
+
+Example (one rank, micro-batches = lists of sample indices of the step):
+    counts = loss_mask_counts(mask, cu)
+    adv = compute_advantages(cfg, rewards=r, loss_mask=mask, cu_seqlens=cu, group_ids=g).advantages
+    den = loss_denominators(counts, reduction=cfg.loss_reduction, rollout_ids=rid)
+    for samples in micro_batches:                       # contiguous here for brevity
+        lo, hi = cu[samples[0]], cu[samples[-1] + 1]
+        loss, metrics = compute_policy_loss(logp_fn(lo, hi), loss_mask=mask[lo:hi],
+            sample_denominators=den[samples], cfg=cfg, cu_seqlens=cu[samples[0]:samples[-1] + 2] - lo,
+            advantages=adv[lo:hi], old_logprobs=old[lo:hi])
+        loss.backward()
 
 Building blocks (also public): advantages.group_advantages / reinforce_plus_plus_returns /
 gae_advantages / whiten / apply_distillation; losses.ppo_clip_loss / gspo_log_ratio / kl_penalty /
 entropy_from_logits / sft_loss / clipped_value_loss; corrections.tis_weights / mis_weights;
-reduce.token_weights / reduce_tokens; metrics.mismatch_metrics / approx_kl.
+reduce.token_weights / reduce_tokens; metrics.mismatch_metrics / approx_kl. These take every tensor
+on one device.
 
-Every public function refuses bad input (shape mismatch, NaN, empty batch, bad mask) with a
-ValueError that names the argument and the value.
+Every public function refuses bad input (shape mismatch, NaN, empty batch, bad mask, bad config)
+with a ValueError that names the argument and the value.
 """
 
 from miles.algo.advantages import AdvantageResult, compute_advantages, group_advantages
 from miles.algo.config import LossConfig
-from miles.algo.layout import cu_seqlens_from_lengths, loss_mask_counts, padded_cu_seqlens
+from miles.algo.layout import cu_seqlens_from_lengths, ids_to_index, loss_mask_counts, padded_cu_seqlens
 from miles.algo.losses import entropy_from_logits, kl_penalty
 from miles.algo.objective import compute_policy_loss, compute_value_loss
 from miles.algo.reduce import loss_denominators
@@ -58,6 +78,7 @@ __all__ = [
     "cu_seqlens_from_lengths",
     "entropy_from_logits",
     "group_advantages",
+    "ids_to_index",
     "kl_penalty",
     "loss_denominators",
     "loss_mask_counts",

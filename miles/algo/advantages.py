@@ -13,7 +13,8 @@ Design decisions:
 - Token-level estimators (REINFORCE++, GAE) step time over *model tokens only* (loss_mask = 1):
   prompt and tool/environment tokens are not actions, so they are neither discounted over nor
   rewarded. The sample reward lands on its last model token; KL shaping is `-kl_coef * kl_t`.
-  With gamma = lambd = 1 (the defaults) this matches slime exactly.
+  Where a response has no masked tokens inside it (or kl_coef = 0 and gamma = lambd = 1) this is
+  exactly slime's; slime also discounts and KL-shapes across masked tool tokens.
 - The reverse scans loop over time with each step vectorised across samples (element-wise ops only),
   which is deterministic on any device and any thread count; cost is O(max model tokens) tiny ops.
 - Whitening (REINFORCE++, `normalize_advantages`) needs global moments. With data parallelism, pass

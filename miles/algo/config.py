@@ -38,7 +38,7 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     normalize_advantages: bool = False  # whiten final advantages over the batch (REINFORCE++ always does)
     gamma: float = 1.0  # discount per model token (REINFORCE++, PPO)
     lambd: float = 1.0  # GAE lambda (PPO)
-    kl_coef: float = 0.0  # reward shaping: r_t -= kl_coef * kl_t (REINFORCE++, PPO)
+    kl_coef: float = 0.0  # reward shaping r_t -= kl_coef * kl_t (REINFORCE++(-baseline), PPO; not GRPO)
 
     # --- policy loss ---
     loss_type: LossType = "policy"

@@ -177,3 +177,45 @@ def test_value_loss_reduces_like_the_policy_loss() -> None:
     assert float(loss.detach()) == 0.5  # per-token losses 0.5 and 0.5, token mean
     assert float(metrics["value_clipfrac"]) == 0.0
     assert torch.allclose(values.grad, torch.tensor([0.0, 0.5, -0.5]))
+
+
+def test_package_docstring_example_flow() -> None:
+    """The micro-batch loop of miles/algo/__init__.py: contiguous micro-batches add up to one batch."""
+    from miles.algo import compute_advantages, ids_to_index
+
+    g = torch.Generator().manual_seed(7)
+    cu = cu_seqlens_from_lengths([3, 5, 2, 4, 6])
+    mask = (torch.rand(20, generator=g) > 0.3).long()
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    group = ids_to_index(["a", "a", "a", "b", "b"])
+    rid = ids_to_index(["", "t1", "t1", "", ""], empty_is_unique=True)
+    r[2] = r[1]  # siblings share a reward
+    base = -torch.rand(20, generator=g)
+    old = base + 0.1 * torch.randn(20, generator=g)
+    cfg = LossConfig(eps_clip=0.1)
+
+    counts = loss_mask_counts(mask, cu)
+    adv = compute_advantages(
+        cfg, rewards=r, loss_mask=mask, cu_seqlens=cu, group_ids=group, rollout_ids=rid
+    ).advantages
+    den = loss_denominators(counts, reduction=cfg.loss_reduction, rollout_ids=rid)
+
+    def grad_for(micro_batches: list[list[int]]) -> torch.Tensor:
+        logp = base.clone().requires_grad_()
+        for samples in micro_batches:
+            lo, hi = cu[samples[0]], cu[samples[-1] + 1]
+            loss, _ = compute_policy_loss(
+                logp[lo:hi],
+                loss_mask=mask[lo:hi],
+                sample_denominators=den[samples],
+                cfg=cfg,
+                cu_seqlens=cu[samples[0]:samples[-1] + 2] - lo,
+                advantages=adv[lo:hi],
+                old_logprobs=old[lo:hi],
+            )
+            loss.backward()
+        return logp.grad
+
+    whole = grad_for([[0, 1, 2, 3, 4]])
+    assert torch.allclose(grad_for([[0, 1], [2], [3, 4]]), whole, atol=1e-7)
+    assert whole.abs().sum() > 0
