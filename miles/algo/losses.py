@@ -106,7 +106,11 @@ def kl_penalty(
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy of softmax(logits): [num_tokens, vocab] -> float32 [num_tokens] (differentiable)."""
+    """Per-token entropy of softmax(logits): [num_tokens, vocab] -> float32 [num_tokens] (differentiable).
+
+    Materialises a float32 [num_tokens, vocab] log-softmax; for large vocabularies a backend should
+    call it on chunks of tokens (or fuse it with its log-prob kernel) and concatenate.
+    """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_tokens, vocab], got shape {tuple(logits.shape)}")
     logp = torch.log_softmax(logits.float(), dim=-1)

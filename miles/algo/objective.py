@@ -111,7 +111,8 @@ def compute_policy_loss(
         log("ppo_kl", approx_kl(logp, old))
         if cfg.kl_loss_coef > 0:
             ref = _need(tokens, "ref_logprobs", f"kl_loss_coef={cfg.kl_loss_coef}")
-            ratio = torch.exp(torch.where(keep, logp.float() - old.float(), 0.0)) if cfg.use_unbiased_kl else None
+            # Unbiased KL (DeepSeek-V3.2): tokens come from pi_old, so weight by pi / pi_old, with gradient.
+            ratio = torch.exp(torch.where(keep, token_log_ratio(logp, old), 0.0)) if cfg.use_unbiased_kl else None
             kl = kl_penalty(logp, ref, cfg.kl_loss_type, importance_ratio=ratio)
             log("kl_loss", kl)
             per_token = per_token + cfg.kl_loss_coef * kl
