@@ -312,9 +312,11 @@ def _token_rewards(
     token_rewards = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)
     if kl is not None and kl_coef != 0:
         token_rewards = torch.where(keep, -kl_coef * _shaping_kl(kl, mask.shape[0]), token_rewards)
+    if mask.shape[0] == 0:
+        return token_rewards
     # Last model token of each sample: the largest masked position inside the sample, if any.
     positions = torch.where(keep, torch.arange(mask.shape[0], device=mask.device), -1)
-    last = to_padded(positions, cu, pad_value=-1).amax(dim=1) if cu.shape[0] > 1 else positions[:0]
+    last = to_padded(positions, cu, pad_value=-1).amax(dim=1)
     has_action = last >= 0
     sample_rewards = rewards.detach().to(mask.device, torch.float32)[has_action]
     ends = last[has_action]

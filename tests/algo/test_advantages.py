@@ -186,3 +186,19 @@ def test_fully_masked_sample_gets_zero_advantage(estimator: str) -> None:
         group_ids=ids(0, 0),
     )
     assert torch.equal(result.advantages[:2], torch.zeros(2))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus", "ppo"])
+def test_empty_samples_are_allowed(estimator: str) -> None:
+    for lengths in ([0, 3], [2, 0], [0, 0]):
+        cu = cu_seqlens_from_lengths(lengths)
+        num_tokens = int(cu[-1])
+        cfg = LossConfig(advantage_estimator=estimator)
+        kwargs = dict(rewards=torch.tensor([1.0, 0.0]), loss_mask=torch.ones(num_tokens), cu_seqlens=cu,
+                      group_ids=ids(0, 0), values=torch.zeros(num_tokens))
+        if estimator == "reinforce_plus_plus" and num_tokens == 0:
+            with pytest.raises(ValueError, match="no trained token"):
+                compute_advantages(cfg, **kwargs)
+            continue
+        result = compute_advantages(cfg, **kwargs)
+        assert result.advantages.shape == (num_tokens,) and torch.isfinite(result.advantages).all()
