@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     server = build_server(args)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None,
-                handler_cancellation=True, shutdown_timeout=2.0)
+                handler_cancellation=True, shutdown_timeout=0.5)
 
 
 # ---- launching from Python (tests, quickstart) -----------------------------------------------

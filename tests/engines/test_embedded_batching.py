@@ -1,0 +1,128 @@
+"""Embedded engine scheduling: continuous batching, joins mid-flight, stops, seeds, batch forms."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+
+from miles.engines.client import EngineClient
+from miles.engines.embedded import launch_embedded_engine
+from miles.tiny import build_tiny_model
+
+ARGS = ["--torch-threads", "1", "--random-seed", "0", "--log-level", "warning",
+        "--max-running-requests", "48"]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    path = build_tiny_model(arch="qwen3")
+    log = tmp_path_factory.mktemp("logs") / "engine.log"
+    engine = asyncio.run(launch_embedded_engine(path, extra_args=ARGS + ["--max-total-tokens", "6000"],
+                                                log_path=log))
+    yield engine.url
+    engine.stop(grace_s=2)
+
+
+async def test_32_concurrent_requests_of_varied_lengths(url):
+    rng = random.Random(0)
+    jobs = [([rng.randrange(20, 500) for _ in range(rng.randint(2, 60))], rng.randint(1, 48))
+            for _ in range(32)]
+    async with EngineClient(url) as c:
+        results = await asyncio.gather(*(c.generate(p, {"max_new_tokens": n, "ignore_eos": True,
+                                                        "sampling_seed": i}, return_logprob=True)
+                                         for i, (p, n) in enumerate(jobs)))
+        load = await c.get_load()
+    for (prompt, n), res in zip(jobs, results):
+        assert res.finish_reason.type == "length" and res.finish_reason.length == n
+        assert len(res.output_ids) == n == len(res.output_logprobs) == res.completion_tokens
+        assert res.prompt_tokens == len(prompt)
+    assert load[0]["num_reqs"] == 0  # everything finished and freed
+
+
+async def test_joining_mid_flight_gives_the_same_tokens(url):
+    prompt = [11, 22, 33, 44, 55]
+    greedy = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    seeded = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 1234, "ignore_eos": True}
+    async with EngineClient(url) as c:
+        alone_greedy = await c.generate(prompt, greedy, return_logprob=True)
+        alone_seeded = await c.generate(prompt, seeded)
+        background = [asyncio.create_task(c.generate([7 + i] * (3 + 5 * i), {
+            "max_new_tokens": 150, "ignore_eos": True})) for i in range(8)]
+        await asyncio.sleep(0.3)  # the batch is decoding now
+        assert not all(t.done() for t in background)
+        joined_greedy, joined_seeded = await asyncio.gather(c.generate(prompt, greedy, return_logprob=True),
+                                                            c.generate(prompt, seeded))
+        done = await asyncio.gather(*background)
+    assert joined_greedy.output_ids == alone_greedy.output_ids
+    assert max(abs(a - b) for a, b in zip(joined_greedy.output_logprobs, alone_greedy.output_logprobs)) < 1e-4
+    assert joined_seeded.output_ids == alone_seeded.output_ids
+    assert all(len(r.output_ids) == 150 for r in done)
+
+
+async def test_stop_tokens_min_new_tokens_and_eos(url):
+    prompt = [101, 102, 103]
+    async with EngineClient(url) as c:
+        free = await c.generate(prompt, {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True})
+        stop_id = free.output_ids[5]
+        first = free.output_ids.index(stop_id)
+        stopped = await c.generate(prompt, {"max_new_tokens": 30, "temperature": 0.0,
+                                            "stop_token_ids": [stop_id], "ignore_eos": True})
+        held = await c.generate(prompt, {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True,
+                                         "stop_token_ids": [stop_id], "min_new_tokens": first + 3})
+    assert stopped.output_ids == free.output_ids[:first + 1]
+    assert stopped.finish_reason.type == "stop" and stopped.finish_reason.matched == stop_id
+    assert len(held.output_ids) >= first + 3 and stop_id not in held.output_ids[:first + 3]
+
+
+async def test_seed_determinism_and_variety(url):
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    async with EngineClient(url) as c:
+        a, b, d = await asyncio.gather(c.generate([1, 2], {**sp, "sampling_seed": 5}),
+                                       c.generate([1, 2], {**sp, "sampling_seed": 5}),
+                                       c.generate([1, 2], {**sp, "sampling_seed": 6}))
+    assert a.output_ids == b.output_ids != d.output_ids
+
+
+async def test_batch_forms_n_and_text(url):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/generate", json={
+                "input_ids": [[1, 2, 3], [4, 5]], "rid": ["a", "b"],
+                "sampling_params": {"max_new_tokens": 3, "n": 2, "ignore_eos": True}}) as r:
+            out = await r.json()
+        async with s.post(url + "/generate", json={
+                "text": "What is 2 + 2?", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                "return_prompt_token_ids": True}) as r:
+            single = await r.json()
+    assert r.status == 200 and [o["meta_info"]["id"] for o in out] == ["a_0", "a_1", "b_0", "b_1"]
+    assert all(len(o["output_ids"]) == 3 for o in out)
+    assert isinstance(single["text"], str) and len(single["prompt_token_ids"]) > 3
+
+
+async def test_stream_is_cumulative_and_ends_with_finish(url):
+    async with EngineClient(url) as c:
+        chunks = [ch async for ch in c.generate_stream([9, 8, 7], {"max_new_tokens": 5,
+                                                                    "temperature": 0.0,
+                                                                    "ignore_eos": True},
+                                                       return_logprob=True)]
+        whole = await c.generate([9, 8, 7], {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True})
+    assert [len(ch.output_ids) for ch in chunks] == [1, 2, 3, 4, 5]
+    assert chunks[-1].output_ids == whole.output_ids and chunks[-1].finish_reason.type == "length"
+
+
+async def test_pool_pressure_retracts_and_still_finishes(tmp_path):
+    """A KV pool too small for every request at once: the newest are retracted, none is lost."""
+    path = build_tiny_model(arch="qwen3")
+    engine = await launch_embedded_engine(path, extra_args=ARGS + ["--max-total-tokens", "400"],
+                                          log_path=tmp_path / "engine.log")
+    try:
+        async with EngineClient(engine.url) as c:
+            sp = {"max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+            alone = await c.generate([3, 4, 5], sp)
+            results = await asyncio.gather(*(c.generate([3, 4, 5], sp) for _ in range(10)))
+    finally:
+        await engine.stop_async(grace_s=2)
+    assert all(r.output_ids == alone.output_ids for r in results)
+    assert sum(r.num_retractions for r in results) > 0

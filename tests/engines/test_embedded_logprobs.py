@@ -1,0 +1,110 @@
+"""Embedded engine numerics: logprobs and routed experts equal a fresh transformers forward."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.engines.client import EngineClient
+from miles.engines.embedded import launch_embedded_engine
+from miles.tiny import build_tiny_model
+
+ARGS = ["--torch-threads", "1", "--random-seed", "0", "--log-level", "warning",
+        "--max-total-tokens", "4096", "--max-running-requests", "16"]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    paths = {a: build_tiny_model(arch=a) for a in ("qwen3", "qwen3_moe")}
+    logs = tmp_path_factory.mktemp("logs")
+
+    async def start():
+        return await asyncio.gather(*(launch_embedded_engine(
+            p, extra_args=ARGS + ["--enable-return-routed-experts"], log_path=logs / f"{a}.log")
+            for a, p in paths.items()))
+    started = asyncio.run(start())
+    yield {a: (p, e.url) for (a, p), e in zip(paths.items(), started)}
+    for e in started:
+        e.stop()
+
+
+def hf_reference(path, tokens: list[int]):
+    """Full-sequence HF forward: (log_softmax [T, V], router top-k ids per layer or None)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=model.config.model_type == "qwen3_moe")
+    logp = out.logits[0].float().log_softmax(-1)
+    routing = None
+    if getattr(out, "router_logits", None):
+        k = model.config.num_experts_per_tok
+        routing = np.stack([torch.topk(torch.softmax(r.float(), -1), k, dim=-1).indices.numpy()
+                            for r in out.router_logits], axis=1)  # [T, layers, k]
+    return logp, routing
+
+
+def check_against_hf(path, prompt, res):
+    tokens = prompt + res.output_ids
+    logp, routing = hf_reference(path, tokens)
+    P = len(prompt)
+    ref = logp[P - 1:-1].gather(1, torch.tensor(res.output_ids)[:, None])[:, 0].numpy()
+    got = np.asarray(res.output_logprobs)
+    assert np.abs(ref - got).max() <= TOL, np.abs(ref - got).max()
+    return logp, routing
+
+
+PROMPTS = [[5, 17, 99, 3], list(range(40, 71)), [200, 201, 7, 7, 7, 9, 11, 300, 301, 2, 64]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+async def test_logprobs_match_hf_forward(engines, arch):
+    path, url = engines[arch]
+    params = [{"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
+              {"max_new_tokens": 20, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True},
+              {"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "sampling_seed": 3,
+               "ignore_eos": True}]
+    async with EngineClient(url) as c:
+        results = await asyncio.gather(*(c.generate(p, sp, return_logprob=True, return_routed_experts=True)
+                                         for p, sp in zip(PROMPTS, params)))
+    for prompt, sp, res in zip(PROMPTS, params, results):
+        assert len(res.output_ids) == sp["max_new_tokens"] and res.finish_reason.type == "length"
+        _, routing = check_against_hf(path, prompt, res)
+        if arch == "qwen3_moe":
+            n = len(prompt) + len(res.output_ids) - 1
+            assert res.routed_experts.shape == (n, 2, 2)  # (tokens-1, layers, top_k)
+            assert (res.routed_experts == routing[:n]).all()
+        else:
+            assert res.routed_experts is None
+
+
+async def test_prompt_logprobs_and_routed_start(engines):
+    path, url = engines["qwen3_moe"]
+    prompt = PROMPTS[1]
+    async with EngineClient(url) as c:
+        res = await c.generate(prompt, {"max_new_tokens": 4, "temperature": 0.0}, return_logprob=True,
+                               logprob_start_len=0, return_routed_experts=True,
+                               routed_experts_start_len=5)
+    logp, routing = check_against_hf(path, prompt, res)
+    ref = logp[:len(prompt) - 1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].numpy()
+    assert res.input_logprobs[0] is None and len(res.input_logprobs) == len(prompt)
+    assert np.abs(np.asarray(res.input_logprobs[1:]) - ref).max() <= TOL
+    n = len(prompt) + len(res.output_ids) - 1
+    assert (res.routed_experts == routing[5:n]).all()
+
+
+async def test_max_new_tokens_zero_and_top_logprobs(engines):
+    path, url = engines["qwen3"]
+    async with EngineClient(url) as c:
+        res0 = await c.generate([1, 2, 3], {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+        res = await c.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0.0}, return_logprob=True,
+                               top_logprobs_num=4)
+    assert res0.output_ids == [] and res0.finish_reason.type == "length" and len(res0.input_logprobs) == 3
+    logp, _ = check_against_hf(path, [1, 2, 3], res)
+    for i, top in enumerate(res.output_top_logprobs):
+        assert len(top) == 4 and top[0][1] == res.output_ids[i]  # greedy picks the top-1
+        ref = torch.topk(logp[2 + i], 4)
+        assert [t for _, t in top] == ref.indices.tolist()
