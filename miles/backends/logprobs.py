@@ -32,39 +32,42 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float,
                 rows_per_chunk: int):
         n = logits.shape[0]
-        logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        work = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 when given fp64
+        logprobs = torch.empty(n, dtype=work, device=logits.device)
+        entropy = torch.empty(n, dtype=work, device=logits.device)
+        lse = torch.empty(n, dtype=work, device=logits.device)
         for s in range(0, n, rows_per_chunk):
             e = min(n, s + rows_per_chunk)
-            z = logits[s:e].float() * inv_temperature
+            z = logits[s:e].to(work) * inv_temperature
             lse_c = torch.logsumexp(z, dim=-1)
             lse[s:e] = lse_c
             logprobs[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse_c
-            p = torch.exp(z - lse_c[:, None])
-            entropy[s:e] = lse_c - (p * z).sum(dim=-1)
+            neg_log_p = lse_c[:, None] - z
+            # H = sum p * (-log p): non-negative terms, no cancellation (lse - sum p z has it)
+            entropy[s:e] = (torch.exp(-neg_log_p) * neg_log_p).sum(dim=-1)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.inv_temperature = inv_temperature
         ctx.rows_per_chunk = rows_per_chunk
-        ctx.mark_non_differentiable(lse)
-        return logprobs, entropy
+        return logprobs.float(), entropy.float()
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, targets, lse, entropy = ctx.saved_tensors
         inv_t, rows = ctx.inv_temperature, ctx.rows_per_chunk
+        work = torch.promote_types(logits.dtype, torch.float32)
         use_ent = grad_entropy is not None and bool(grad_entropy.ne(0).any())
-        g_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(lse)
+        g_lp = grad_logprobs.to(work) if grad_logprobs is not None else torch.zeros_like(lse)
+        g_ent = grad_entropy.to(work) if use_ent else None
         grad = logits  # overwritten chunk by chunk: the logits are not needed afterwards
         for s in range(0, logits.shape[0], rows):
             e = min(logits.shape[0], s + rows)
-            z = logits[s:e].float() * inv_t
+            z = logits[s:e].to(work) * inv_t
             log_p = z - lse[s:e, None]
             p = torch.exp(log_p)
             coeff = g_lp[s:e, None].expand_as(p)
             if use_ent:
                 # -p * (g_lp + g_ent * (log p + H)); the one-hot term is added below.
-                coeff = coeff + grad_entropy[s:e, None] * (log_p + entropy[s:e, None])
+                coeff = coeff + g_ent[s:e, None] * (log_p + entropy[s:e, None])
             g = -p * coeff
             g.scatter_add_(1, targets[s:e, None], g_lp[s:e, None])
             grad[s:e] = (g * inv_t).to(grad.dtype)
