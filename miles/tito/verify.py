@@ -16,8 +16,8 @@ Design decisions (after Miles' `TokenSeqComparator`):
   alignment is lost. Text between structural tokens is compared as decoded text (`text`, with the
   token position and the first differing character) and, when the text is equal but the ids
   differ, as `tokens` (a non-canonical tokenization of the same text).
-- A text mismatch inside tokens the engine generated is not critical (a re-render cannot know how
-  the model spelled its own text); every other mismatch is. The exit code is 1 on any critical one.
+- A text mismatch whose first differing character lies in text the engine generated is not
+  critical (a re-render cannot know how the model spelled its own text); every other mismatch is. The exit code is 1 on any critical one.
 """
 
 from __future__ import annotations
@@ -83,15 +83,25 @@ def compare(tokenizer: ChatTokenizer, family: Family, actual: list[int], expecte
                                 critical=False))
             continue
         char = next((k for k, (x, y) in enumerate(zip(a_text, e_text)) if x != y), min(len(a_text), len(e_text)))
-        in_generated = generated is not None and all(generated[a0:a1])
         out.append(Mismatch(kind="text", position=a0, expected=e_text, actual=a_text, char=char,
-                            critical=not in_generated))
+                            critical=not _in_generated(tokenizer, actual, a0, a1, generated, char)))
     if len(sa) != len(se):
         pos = sa[len(se)][0] if len(sa) > len(se) else len(actual)
         rest_a = tokenizer.decode(actual[pos:]) if len(sa) > len(se) else ""
         rest_e = tokenizer.decode(expected[se[len(sa)][0]:]) if len(se) > len(sa) else ""
         out.append(Mismatch(kind="length", position=pos, expected=rest_e, actual=rest_a))
     return out
+
+
+def _in_generated(tokenizer: ChatTokenizer, ids: list[int], start: int, end: int,
+                  generated: list[int] | None, char: int) -> bool:
+    """Does the first differing character of segment ids[start:end] lie in engine-generated text?"""
+    if generated is None:
+        return False
+    first_gen = next((i for i in range(start, end) if generated[i]), None)
+    if first_gen is None or not all(generated[first_gen:end]):
+        return False
+    return char >= len(tokenizer.decode(ids[start:first_gen]))
 
 
 def verify_conversation(family: Family, tokenizer: ChatTokenizer, messages: list[ChatMessage],

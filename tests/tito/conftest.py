@@ -1,0 +1,162 @@
+"""Fixtures for the TITO tests: tokenizers built offline, a scripted SGLang-shaped engine, a server.
+
+- `scripted_engine` answers SGLang's `/generate` with replies the test queues (text tokenized with
+  the model's tokenizer, plus the end-of-turn token), deterministic logprobs, weight-version spans
+  and routed experts; it records every request. It exists to drive exact tool-call and reasoning
+  paths, which a random tiny model never produces; generation itself is tested against real
+  embedded engines in test_e2e.py.
+- `tito_server(engine_url, **config)` starts a `SessionServer` in this process on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from miles.engines.procs import free_port
+from miles.tito.families.llama3 import LLAMA3_SPECIAL_TOKENS
+from miles.tito.tokenizer import ChatTokenizer, load_tokenizer
+
+DATA = Path(__file__).parent / "data"
+ROUTED_LAYOUT = (2, 2)   # layers, top_k of the scripted engine's routed experts
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir() -> Path:
+    from miles.tiny import build_tokenizer
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir) -> ChatTokenizer:
+    return load_tokenizer(str(tiny_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> ChatTokenizer:
+    return load_tokenizer("qwen")
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer_path(tmp_path_factory) -> Path:
+    """A small byte-level BPE with the Llama 3 header tokens (Meta's vocabulary is not offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from miles.tiny import _corpus
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=LLAMA3_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(2000, 1), trainer=trainer)
+    path = tmp_path_factory.mktemp("llama3-tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@dataclass
+class ScriptedEngine:
+    tokenizer: ChatTokenizer
+    end_token: str = "<|im_end|>"
+    url: str = ""
+    replies: collections.deque = field(default_factory=collections.deque)
+    default_reply: str = "ok"
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    responses: list[dict[str, Any]] = field(default_factory=list)
+    weight_version: str = "3"
+    delay_s: float = 0.0
+    fail_status: int | None = None
+
+    def reply(self, *texts: str) -> None:
+        self.replies.extend(texts)
+
+
+def _scripted_app(engine: ScriptedEngine) -> web.Application:
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        engine.requests.append(body)
+        engine.headers.append(dict(request.headers))
+        if engine.delay_s:
+            await asyncio.sleep(engine.delay_s)
+        if engine.fail_status:
+            return web.json_response({"error": {"message": "scripted failure"}}, status=engine.fail_status)
+        text = engine.replies.popleft() if engine.replies else engine.default_reply
+        params = body.get("sampling_params", {})
+        ids = engine.tokenizer.encode(text) + [engine.tokenizer.token_id(engine.end_token)]
+        finish: dict[str, Any] = {"type": "stop", "matched": ids[-1]}
+        limit = params.get("max_new_tokens", 128)
+        if len(ids) > limit:
+            ids, finish = ids[:limit], {"type": "length", "length": limit}
+        meta: dict[str, Any] = {
+            "id": body.get("rid"), "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(ids), "weight_version": engine.weight_version,
+            "output_token_logprobs": [[-0.001 * (len(engine.requests) * 100 + i), t, None] for i, t in enumerate(ids)]}
+        if body.get("return_routed_experts"):
+            start = body.get("routed_experts_start_len", 0)
+            rows = len(body["input_ids"]) + len(ids) - 1 - start
+            positions = np.arange(start, start + rows, dtype=np.int32)
+            arr = np.stack([positions * 10 + j for j in range(ROUTED_LAYOUT[0] * ROUTED_LAYOUT[1])], axis=1)
+            meta["routed_experts"] = base64.b64encode(arr.astype("<i4").tobytes()).decode()
+        out = {"text": engine.tokenizer.decode(ids), "output_ids": ids, "meta_info": meta}
+        engine.responses.append(out)
+        return web.json_response(out)
+
+    async def model_info(_):
+        return web.json_response({"model_path": "scripted", "weight_version": engine.weight_version,
+                                  "num_hidden_layers": ROUTED_LAYOUT[0], "num_experts_per_tok": ROUTED_LAYOUT[1]})
+
+    async def health(_):
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.add_routes([web.post("/generate", generate), web.get("/model_info", model_info),
+                    web.get("/health", health)])
+    return app
+
+
+@pytest.fixture
+async def scripted_engine():
+    runners: list[web.AppRunner] = []
+
+    async def start(tokenizer: ChatTokenizer, end_token: str = "<|im_end|>") -> ScriptedEngine:
+        engine = ScriptedEngine(tokenizer=tokenizer, end_token=end_token)
+        port = free_port()
+        runner = web.AppRunner(_scripted_app(engine))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        engine.url = f"http://127.0.0.1:{port}"
+        return engine
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def tito_server():
+    """`await tito_server(engine_url, tokenizer=..., family=..., **config)` -> (server, base url)."""
+    from miles.tito.server import ServerConfig, SessionServer
+    runners: list[web.AppRunner] = []
+
+    async def start(engine_url: str, tokenizer: str, **config: Any):
+        server = SessionServer(ServerConfig(engine_url=engine_url, tokenizer=tokenizer, **config))
+        port = free_port()
+        runner = web.AppRunner(server.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return server, f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
