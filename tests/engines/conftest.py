@@ -5,7 +5,7 @@ Kept small and stable on purpose: several test files import these names.
 - `sglang_wheel` is the released sglang wheel (downloaded once with `pip download --no-deps`
   into the Miles cache, skipped when offline); `.read(member)` returns one of its files. Tests read SGLang's own schema and CLI from it; nothing of it is committed.
 - `embedded_engines(n)` starts n real embedded engines (tiny Qwen3, one torch thread each) as
-  `ServerProcess`es on free loopback ports and stops them at teardown.
+  `ServerProcess`es on free loopback ports; module-scoped, they stop after the module.
 - `fake_engine(name, dp_size=1)` starts an aiohttp app on 127.0.0.1 that answers the routes smg
   needs to register a worker (`/health`, `/server_info`, `/model_info`, `/v1/models`) plus
   `/generate` and the control routes, and records every request it receives. It is for testing
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from miles.engines.procs import ServerProcess
@@ -165,10 +166,14 @@ class Engine:
     process: ServerProcess
 
 
-@pytest.fixture
-async def embedded_engines(tiny_qwen3, tmp_path):
-    """Call `await embedded_engines(n)` to start n engines in parallel; all stop at teardown."""
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def embedded_engines(tiny_qwen3, tmp_path_factory):
+    """Call `await embedded_engines(n)` to start n engines in parallel; all stop when the
+    module's tests are done (module-scoped: engines take seconds to start on a busy CPU, so a
+    test file shares them; tests that need the module's event loop mark themselves with
+    `pytest.mark.asyncio(loop_scope="module")`)."""
     started: list[Engine] = []
+    log_dir = tmp_path_factory.mktemp("engines")
 
     async def start(n: int, *extra: str) -> list[Engine]:
         engines = []
@@ -177,7 +182,7 @@ async def embedded_engines(tiny_qwen3, tmp_path):
             cmd = [sys.executable, "-m", "miles.engines.embedded", "--model-path", str(tiny_qwen3),
                    "--host", "127.0.0.1", "--port", str(port), "--torch-threads", "1",
                    "--random-seed", "0", "--log-level", "warning", *extra]
-            proc = ServerProcess(f"embedded-{port}", cmd, log_path=tmp_path / f"engine-{port}.log",
+            proc = ServerProcess(f"embedded-{port}", cmd, log_path=log_dir / f"engine-{port}.log",
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
             engines.append(Engine(f"http://127.0.0.1:{port}", proc.start()))
         started.extend(engines)
