@@ -455,8 +455,11 @@ class EngineServer:
         if len(b.serialized_named_tensors) != 1:
             raise BadRequest(f"serialized_named_tensors: {len(b.serialized_named_tensors)} entries; "
                              "this engine has tp_size 1, send exactly one", "serialized_named_tensors")
-        named = list(W.decode_tensor_payload(b.serialized_named_tensors[0],
-                                             "serialized_named_tensors[0]").items())
+        try:
+            named = list(W.decode_tensor_payload(b.serialized_named_tensors[0],
+                                                 "serialized_named_tensors[0]").items())
+        except ValueError as e:
+            raise BadRequest(str(e), "serialized_named_tensors") from None
         return await self._update(W.apply_named_tensors, self.runner.model.weights, named,
                                   weight_version=b.weight_version, abort_all=b.abort_all_requests)
 

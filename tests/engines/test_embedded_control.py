@@ -1,0 +1,198 @@
+"""Embedded engine control plane: pause modes, weight updates (disk, tensor, gloo), versions, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from miles.engines.client import (EngineClient, EngineRequestError, encode_tensor_payload,
+                                  tensor_sha256)
+from miles.engines.embedded import launch_embedded_engine
+from miles.engines.embedded_engine.weights import init_custom_process_group
+from miles.engines.procs import free_port
+from miles.tiny import build_tiny_model
+
+ARGS = ["--torch-threads", "1", "--random-seed", "0", "--log-level", "warning",
+        "--max-total-tokens", "8000", "--max-running-requests", "16"]
+N_INFLIGHT, MAX_NEW = 6, 160
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    a, b = build_tiny_model(arch="qwen3"), build_tiny_model(arch="qwen3", seed=1)
+    log = tmp_path_factory.mktemp("logs") / "engine.log"
+    engine = asyncio.run(launch_embedded_engine(a, extra_args=ARGS, log_path=log))
+    yield a, b, engine.url
+    engine.stop(grace_s=2)
+
+
+def state_dict(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def hf_logprobs(path, tokens):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+
+
+async def start_inflight(c: EngineClient):
+    tasks = [asyncio.create_task(c.generate([30 + i, 31, 32, 33], {
+        "max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, return_logprob=True,
+        rid=f"inflight-{i}")) for i in range(N_INFLIGHT)]
+    await asyncio.sleep(0.15)  # decoding now (a few ms per step)
+    assert not any(t.done() for t in tasks)
+    return tasks
+
+
+def assert_crossed(results, old: str, new: str):
+    for r in results:
+        assert r.finish_reason.type == "length" and len(r.output_ids) == MAX_NEW
+        (v0, s0, e0), (v1, s1, e1) = [(s.version, s.start, s.end) for s in r.weight_versions]
+        assert (v0, s0) == (old, 0) and (v1, e1) == (new, MAX_NEW) and 0 < e0 == s1 < MAX_NEW
+        assert r.weight_version == new
+
+
+async def reset(c: EngineClient, path, version: str):
+    await c.update_weights_from_disk(str(path), weight_version=version)
+
+
+async def test_pause_in_place_update_from_disk_continue(setup):
+    a, b, url = setup
+    async with EngineClient(url) as c:
+        await reset(c, a, "0")
+        tasks = await start_inflight(c)
+        await c.pause_generation("in_place")
+        before = (await c.get_load())[0]["num_reqs"]
+        await asyncio.sleep(0.1)
+        assert before == N_INFLIGHT and not any(t.done() for t in tasks)
+        with pytest.raises(EngineRequestError, match="running or waiting"):
+            await c.flush_cache()  # SGLang refuses too while requests hold KV
+        res = await c.update_weights_from_disk(str(b), weight_version="1")
+        assert res["success"] and res["num_paused_requests"] == N_INFLIGHT
+        assert (await c.model_info())["weight_version"] == "1"
+        await c.continue_generation()
+        results = await asyncio.gather(*tasks)
+    assert_crossed(results, "0", "1")
+    assert [s.version for s in results[0].version_spans()] == [0, 1]
+
+
+async def test_pause_retract_recomputes_with_new_weights(setup):
+    a, b, url = setup
+    async with EngineClient(url) as c:
+        await reset(c, a, "4")
+        tasks = await start_inflight(c)
+        await c.pause_generation("retract")
+        await c.update_weights_from_disk(str(b), weight_version="5")
+        await c.continue_generation()
+        results = await asyncio.gather(*tasks)
+    assert_crossed(results, "4", "5")
+    # Before the update every token came from A; after it the KV was recomputed with B, so each
+    # later logprob is exactly B's forward over the same tokens.
+    r = results[0]
+    k = r.weight_versions[0].end
+    tokens = [30, 31, 32, 33] + r.output_ids
+    got = np.asarray(r.output_logprobs)
+    for path, lo, hi in ((a, 0, k), (b, k, MAX_NEW)):
+        lp = hf_logprobs(path, tokens)[3:-1].gather(1, torch.tensor(r.output_ids)[:, None])[:, 0].numpy()
+        assert np.abs(lp[lo:hi] - got[lo:hi]).max() < 1e-4
+    assert all(x.num_retractions >= 1 for x in results)
+
+
+async def test_distributed_gloo_update_while_paused_in_place(setup):
+    a, b, url = setup
+    sd = state_dict(b)
+    names = sorted(sd)
+    port = free_port()
+    async with EngineClient(url) as c:
+        await reset(c, a, "6")
+        init = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2,
+                                                               group_name="miles_test", backend="gloo"))
+        pg = await asyncio.to_thread(init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}",
+                                     2, 0, "miles_test")
+        assert (await init)["success"]
+        try:
+            tasks = await start_inflight(c)
+            await c.pause_generation("in_place")
+            update = asyncio.create_task(c.update_weights_from_distributed(
+                names, [str(sd[n].dtype) for n in names], [list(sd[n].shape) for n in names],
+                group_name="miles_test", weight_version="7"))
+
+            def broadcast():  # the trainer's rank 0, in the listed order
+                for n in names:
+                    dist.broadcast(sd[n].contiguous(), src=0, group=pg)
+            await asyncio.to_thread(broadcast)
+            assert (await update)["success"]
+            await c.continue_generation()
+            results = await asyncio.gather(*tasks)
+            sums = await c.weights_checksum()
+        finally:
+            await c.destroy_weights_update_group("miles_test")
+            dist.destroy_process_group(pg)
+    assert_crossed(results, "6", "7")
+    assert sums == {n: tensor_sha256(t) for n, t in sd.items()}
+
+
+async def test_update_from_tensor_and_bad_update_leaves_weights(setup):
+    a, b, url = setup
+    sd_a, sd_b = state_dict(a), state_dict(b)
+    name = "model.layers.1.mlp.down_proj.weight"
+    async with EngineClient(url) as c:
+        await reset(c, a, "8")
+        assert await c.weights_checksum([name]) == {name: tensor_sha256(sd_a[name])}
+        res = await c.update_weights_from_tensor([encode_tensor_payload({name: sd_b[name]})],
+                                                 weight_version="9")
+        assert res["success"]
+        assert await c.weights_checksum([name]) == {name: tensor_sha256(sd_b[name])}
+        before = await c.weights_checksum()
+        bad = {name: sd_a[name], "model.layers.9.mlp.down_proj.weight": sd_a[name].clone()}
+        with pytest.raises(EngineRequestError, match="layers.9.*not a parameter"):
+            await c.update_weights_from_tensor([encode_tensor_payload(bad)])
+        with pytest.raises(EngineRequestError, match="shape"):
+            await c.update_weights_from_tensor([encode_tensor_payload({name: sd_a[name].T})])
+        with pytest.raises(EngineRequestError, match="never unpickles"):
+            await c.update_weights_from_tensor(["gASVAAAAAAAAAACMAWGULg=="])
+        with pytest.raises(EngineRequestError, match="not a directory"):
+            await c.update_weights_from_disk("/nonexistent/ckpt")
+        assert await c.weights_checksum() == before
+        assert (await c.model_info())["weight_version"] == "9"
+
+
+async def test_pause_abort_returns_partial_outputs_and_queues_new_work(setup):
+    a, _, url = setup
+    async with EngineClient(url) as c:
+        await reset(c, a, "10")
+        tasks = await start_inflight(c)
+        await c.pause_generation("abort")
+        results = await asyncio.gather(*tasks)
+        assert all(r.aborted and 0 < len(r.output_ids) < MAX_NEW for r in results)
+        assert all(len(r.output_logprobs) == len(r.output_ids) for r in results)
+        queued = asyncio.create_task(c.generate([1, 2, 3], {"max_new_tokens": 4, "ignore_eos": True}))
+        await asyncio.sleep(0.2)
+        assert not queued.done()  # paused: new requests wait, as in SGLang
+        await c.continue_generation()
+        assert len((await queued).output_ids) == 4
+
+
+async def test_abort_one_request_by_rid_and_version_update(setup):
+    a, _, url = setup
+    async with EngineClient(url) as c:
+        await reset(c, a, "11")
+        victim = asyncio.create_task(c.generate([5, 6], {"max_new_tokens": 400, "ignore_eos": True},
+                                                rid="victim"))
+        other = asyncio.create_task(c.generate([5, 7], {"max_new_tokens": 60, "ignore_eos": True}))
+        await asyncio.sleep(0.15)
+        await c.abort_request("victim")
+        v, o = await asyncio.gather(victim, other)
+        assert v.aborted and v.rid == "victim" and len(v.output_ids) < 400
+        assert o.finish_reason.type == "length" and len(o.output_ids) == 60
+        await c.update_weight_version(12)
+        assert (await c.generate([1], {"max_new_tokens": 1})).weight_version == "12"
+        info = await c.server_info()
+        assert info["dp_size"] == 1 and info["weight_version"] == "12"
