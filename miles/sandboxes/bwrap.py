@@ -26,25 +26,9 @@ import os
 import random
 import subprocess
 
-from miles.sandboxes import linux
 from miles.sandboxes.base import BackendUnavailableError, ExecResult, SandboxError, timeout_argv
 from miles.sandboxes.host import SYSTEM_DIRS, HostBackend, HostSandbox, require_binary
-
-SETUP_FAILED = "miles-sandbox-setup-failed: "
-
-
-def _enter_as(uid: int | None, limits: dict) -> None:
-    try:
-        linux.die_with_parent()
-        linux.set_limits(**limits)
-        if uid is not None:
-            linux.drop_to(uid, uid)
-    except BaseException as exc:  # noqa: BLE001 - anything here must become a clean exit
-        try:
-            os.write(2, f"{SETUP_FAILED}{exc!r}\n".encode())
-        finally:
-            os._exit(125)
-
+from miles.sandboxes.spawner import AsUid
 
 class BwrapSandbox(HostSandbox):
     backend_name = "bwrap"
@@ -67,15 +51,11 @@ class BwrapSandbox(HostSandbox):
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:
         self.ensure_dir(cwd)
-        limits = self.limits(timeout_s)
         uid = self.uid if self.backend.privileged else None
         full = self.bwrap_argv(cwd) + ["--"] + timeout_argv(timeout_s, argv,
                                                             self.backend.kill_after_s)
         result = await self.run_host(full, self.exec_env(env), timeout_s,
-                                     lambda: _enter_as(uid, limits))
-        if result.exit_code == 125 and SETUP_FAILED in result.stderr:
-            raise SandboxError(f"bwrap sandbox {self.id}: setup before exec failed: "
-                               f"{result.stderr.split(SETUP_FAILED, 1)[1].strip()}")
+                                     AsUid(uid=uid, limits=self.limits(timeout_s)))
         if result.exit_code == 1 and result.stderr.startswith("bwrap:"):
             # bubblewrap's own failure (a bad mount), not the command's exit code.
             raise SandboxError(f"bwrap sandbox {self.id}: {result.stderr.strip()}")

@@ -1,6 +1,6 @@
 """The few Linux syscalls the host backends need, through ctypes (Python 3.11 has no os.unshare).
 
-Everything here runs in a forked child between fork and exec (subprocess `preexec_fn`), so it
+Everything here runs in a child forked by the spawner between fork and exec, so it
 allocates little, raises OSError with the failing call named, and never returns half-done: if a
 step fails the child dies before exec and the parent sees the error.
 
@@ -101,3 +101,48 @@ def drop_to(uid: int, gid: int) -> None:
     os.setgroups([])
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
+
+
+# The three set-up sequences a spawned command goes through (see spawner.py), as plain functions
+# of plain data so the fork server can run them between fork and exec.
+
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def enter_jail(root: str, sys_root: str, cwd: str, uid: int, network: bool,
+               limits: dict) -> None:
+    """subprocess backend as root: namespaces, read-only system binds, chroot(R), limits, uid."""
+    die_with_parent()
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
+    unshare(flags if network else flags | CLONE_NEWNET)
+    make_mounts_private()
+    for name in SYSTEM_DIRS:
+        src, dst = os.path.join(sys_root, name), os.path.join(root, name)
+        if os.path.isdir(dst) and not os.path.islink(dst) and os.path.isdir(src):
+            bind(src, dst, readonly=True, recursive=(name == "etc"))
+    for node in DEV_NODES:
+        bind(f"/dev/{node}", os.path.join(root, "dev", node), readonly=False)
+    mount("tmpfs", os.path.join(root, "dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV,
+          "mode=1777,size=64m")
+    mount("proc", os.path.join(root, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chroot(root)
+    os.chdir(cwd)
+    set_limits(**limits)
+    no_new_privs()
+    drop_to(uid, uid)
+
+
+def enter_as(uid: int | None, limits: dict, cwd: str | None = None,
+             network: bool = True) -> None:
+    """bwrap backend, and the subprocess backend without root: limits, then (as root) the
+    sandbox uid; without root and network=False, a user+network namespace of our own."""
+    die_with_parent()
+    if not network:
+        unshare(CLONE_NEWUSER | CLONE_NEWNET)
+    if cwd is not None:
+        os.chdir(cwd)
+    set_limits(**limits)
+    no_new_privs()
+    if uid is not None:
+        drop_to(uid, uid)

@@ -1,6 +1,6 @@
 """The `subprocess` backend: each command is a host process jailed with plain kernel features.
 
-Per exec, between fork and exec (`preexec_fn`), as root:
+Per exec, in the child the spawner forks (spawner.py), between fork and exec, as root:
 1. PR_SET_PDEATHSIG: the command's leader dies with the controller;
 2. new mount, IPC, UTS and (unless `network=True`) network namespaces; a fresh network namespace has
    only a downed loopback, so even 127.0.0.1 is unreachable;
@@ -30,60 +30,10 @@ from __future__ import annotations
 import os
 import sys
 
-from miles.sandboxes import linux
-from miles.sandboxes.base import ExecResult, SandboxError
-from miles.sandboxes.host import (SYSTEM_DIRS, HostBackend, HostSandbox, RootTemplate,
-                                  require_binary)
-from miles.sandboxes.base import timeout_argv
-
-DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
-SETUP_FAILED = "miles-sandbox-setup-failed: "
-
-
-def _setup_failed(exc: BaseException) -> None:
-    # fd 2 is already the stderr pipe here; the parent turns this line into a SandboxError.
-    try:
-        os.write(2, f"{SETUP_FAILED}{exc!r}\n".encode())
-    finally:
-        os._exit(125)
-
-
-def _enter_jail(root: str, sys_root: str, cwd: str, uid: int, network: bool,
-                limits: dict) -> None:
-    try:
-        linux.die_with_parent()
-        flags = linux.CLONE_NEWNS | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
-        linux.unshare(flags if network else flags | linux.CLONE_NEWNET)
-        linux.make_mounts_private()
-        for name in SYSTEM_DIRS:
-            src, dst = os.path.join(sys_root, name), os.path.join(root, name)
-            if os.path.isdir(dst) and not os.path.islink(dst) and os.path.isdir(src):
-                linux.bind(src, dst, readonly=True, recursive=(name == "etc"))
-        for node in DEV_NODES:
-            linux.bind(f"/dev/{node}", os.path.join(root, "dev", node), readonly=False)
-        linux.mount("tmpfs", os.path.join(root, "dev/shm"), "tmpfs",
-                    linux.MS_NOSUID | linux.MS_NODEV, "mode=1777,size=64m")
-        linux.mount("proc", os.path.join(root, "proc"), "proc",
-                    linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
-        os.chroot(root)
-        os.chdir(cwd)
-        linux.set_limits(**limits)
-        linux.no_new_privs()
-        linux.drop_to(uid, uid)
-    except BaseException as exc:  # noqa: BLE001 - anything here must become a clean exit
-        _setup_failed(exc)
-
-
-def _enter_unprivileged(network: bool, limits: dict) -> None:
-    try:
-        linux.die_with_parent()
-        if not network:
-            linux.unshare(linux.CLONE_NEWUSER | linux.CLONE_NEWNET)
-        linux.set_limits(**limits)
-        linux.no_new_privs()
-    except BaseException as exc:  # noqa: BLE001
-        _setup_failed(exc)
-
+from miles.sandboxes.base import BackendUnavailableError, ExecResult, timeout_argv
+from miles.sandboxes.host import HostBackend, HostSandbox, RootTemplate, require_binary
+from miles.sandboxes.linux import DEV_NODES
+from miles.sandboxes.spawner import AsUid, Jail
 
 class SubprocessSandbox(HostSandbox):
     backend_name = "subprocess"
@@ -94,28 +44,18 @@ class SubprocessSandbox(HostSandbox):
 
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:
-        limits = self.limits(timeout_s)
-        wrapped = timeout_argv(timeout_s, argv, self.backend.kill_after_s)
         self.ensure_dir(cwd)
+        wrapped = timeout_argv(timeout_s, argv, self.backend.kill_after_s)
+        limits = self.limits(timeout_s)
         if self.backend.privileged:
-            preexec = _bound(_enter_jail, self.root, self.sys_root, cwd, self.uid,
-                             self.spec.network, limits)
-            result = await self.run_host(wrapped, self.exec_env(env), timeout_s, preexec)
-        else:
-            preexec = _bound(_enter_unprivileged, self.spec.network, limits)
-            full_env = self.exec_env(env, home=self.host_path("/root"),
-                                     tmp=self.host_path("/tmp"))
-            full_env["SANDBOX_ROOT"] = self.root
-            result = await self.run_host(wrapped, full_env, timeout_s, preexec,
-                                         cwd=self.host_path(cwd))
-        if result.exit_code == 125 and SETUP_FAILED in result.stderr:
-            raise SandboxError(f"subprocess sandbox {self.id}: setup before exec failed: "
-                               f"{result.stderr.split(SETUP_FAILED, 1)[1].strip()}")
-        return result
-
-
-def _bound(fn, *args):
-    return lambda: fn(*args)
+            setup = Jail(root=self.root, sys_root=self.sys_root, cwd=cwd, uid=self.uid,
+                         network=self.spec.network, limits=limits)
+            return await self.run_host(wrapped, self.exec_env(env), timeout_s, setup)
+        full_env = self.exec_env(env, home=self.host_path("/root"), tmp=self.host_path("/tmp"))
+        full_env["SANDBOX_ROOT"] = self.root
+        setup = AsUid(uid=None, limits=limits, cwd=self.host_path(cwd),
+                      network=self.spec.network)
+        return await self.run_host(wrapped, full_env, timeout_s, setup)
 
 
 class SubprocessBackend(HostBackend):
@@ -127,7 +67,6 @@ class SubprocessBackend(HostBackend):
 
     def __init__(self, **opts):
         if not sys.platform.startswith("linux"):
-            from miles.sandboxes.base import BackendUnavailableError
             raise BackendUnavailableError("backend subprocess needs Linux namespaces")
         super().__init__(**opts)
         require_binary("timeout", self.name, "coreutils")

@@ -1,7 +1,7 @@
-"""Run one host process to completion with capped output and a backstop kill.
+"""Run one sandboxed host process to completion with capped output and a backstop kill.
 
-Shared by the host backends (subprocess, bwrap) and the docker CLI-free paths that still spawn
-helpers. The in-sandbox `timeout` wrapper is the real deadline; the backstop here fires only when
+Used by the host backends (subprocess, bwrap); the process is forked by the spawner (spawner.py).
+The in-sandbox `timeout` wrapper is the real deadline; the backstop here fires only when
 that wrapper itself is stuck or killed (timeout_s + kill_after + grace), and kills the whole
 process group the child leads.
 
@@ -20,7 +20,6 @@ import asyncio
 import os
 import signal
 import time
-from typing import Any, Callable
 
 PIPE_GRACE_S = 0.2
 BACKSTOP_GRACE_S = 3.0
@@ -67,37 +66,57 @@ class ProcResult:
         self.backstop = backstop
 
 
-async def run_capped(argv: list[str], *, env: dict[str, str], deadline_s: float,
-                     max_output_bytes: int, preexec_fn: Callable[[], Any] | None = None,
-                     cwd: str | None = None) -> ProcResult:
-    """Spawn argv in a new session, wait up to `deadline_s` (the backstop), return its output.
+async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+    return reader, transport
 
-    The child is a session leader, so its pid is the process-group id we kill on backstop or
-    cancellation.
-    """
+
+async def run_capped(spawner, argv: list[str], *, env: dict[str, str], setup,
+                     deadline_s: float, max_output_bytes: int) -> ProcResult:
+    """Start argv through the fork server with `setup`, wait up to `deadline_s` (the backstop),
+    return its output. The command is a session leader, so its pid is the process group we kill
+    on backstop or cancellation."""
     started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, preexec_fn=preexec_fn,
-        start_new_session=True)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        pid = await spawner.spawn(argv, env, setup, out_w, err_w)
+    except BaseException:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
     out, err = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
-    readers = [asyncio.create_task(out.fill(proc.stdout)),
-               asyncio.create_task(err.fill(proc.stderr))]
+    transports = []
+    readers = []
     backstop = False
     try:
+        for fd, buf in ((out_r, out), (err_r, err)):
+            stream, transport = await _pipe_reader(fd)
+            transports.append(transport)
+            readers.append(asyncio.create_task(buf.fill(stream)))
         try:
-            exit_code = await asyncio.wait_for(proc.wait(), deadline_s)
+            exit_code = await asyncio.wait_for(asyncio.shield(spawner.wait(pid)), deadline_s)
         except asyncio.TimeoutError:
             backstop = True
-            kill_group(proc.pid)
-            exit_code = await proc.wait()
+            kill_group(pid)
+            exit_code = await spawner.wait(pid)
         _, pending = await asyncio.wait(readers, timeout=PIPE_GRACE_S)
         for task in pending:
             task.cancel()
     except BaseException:
-        kill_group(proc.pid)
+        kill_group(pid)
+        spawner.forget(pid)
         for task in readers:
             task.cancel()
         raise
+    finally:
+        for transport in transports:
+            transport.close()
     return ProcResult(exit_code, out.text(), err.text(), time.monotonic() - started,
                       out.truncated or err.truncated, backstop)

@@ -12,13 +12,15 @@ import threading
 
 import pytest
 
+from miles.sandboxes.host import default_base_dir
 from sandbox_helpers import HOST_BACKENDS, make_host_backend
 
 
 @pytest.fixture
 def base_dir():
-    # Not pytest's tmp_path: its parents are 0700, and sandboxes run under their own uid.
-    path = tempfile.mkdtemp(prefix="miles-sbx-test-", dir=tempfile.gettempdir())
+    # Not pytest's tmp_path: its parents are 0700, and sandboxes run under their own uid. Beside
+    # the default base dir, so the tests see the same filesystem (tmpfs where there is one).
+    path = tempfile.mkdtemp(prefix="miles-sbx-test-", dir=os.path.dirname(default_base_dir()))
     os.chmod(path, 0o711)
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -26,7 +28,9 @@ def base_dir():
 
 @pytest.fixture(params=HOST_BACKENDS)
 def host_backend(request, base_dir):
-    return make_host_backend(request.param, base_dir)
+    backend = make_host_backend(request.param, base_dir)
+    yield backend
+    backend.spawner.close()
 
 
 @pytest.fixture
