@@ -108,3 +108,32 @@ async def test_max_new_tokens_zero_and_top_logprobs(engines):
         assert len(top) == 4 and top[0][1] == res.output_ids[i]  # greedy picks the top-1
         ref = torch.topk(logp[2 + i], 4)
         assert [t for _, t in top] == ref.indices.tolist()
+
+
+async def test_moe_update_by_per_expert_and_fused_names(engines):
+    """Checkpoint (per-expert) names and transformers-5 fused names both land in the experts."""
+    from safetensors.torch import load_file
+
+    from miles.engines.client import encode_tensor_payload, tensor_sha256
+    path_a, url = engines["qwen3_moe"]
+    path_b = build_tiny_model(arch="qwen3_moe", seed=1)
+    sd_a, sd_b = (load_file(str(p / "model.safetensors")) for p in (path_a, path_b))
+    async with EngineClient(url) as c:
+        assert await c.weights_checksum() == {n: tensor_sha256(t) for n, t in sd_a.items()}
+        await c.update_weights_from_tensor([encode_tensor_payload(sd_b)], weight_version="1")
+        assert await c.weights_checksum() == {n: tensor_sha256(t) for n, t in sd_b.items()}
+        res = await c.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0.0}, return_logprob=True,
+                               return_routed_experts=True)
+        _, routing = check_against_hf(path_b, PROMPTS[0], res)
+        assert (res.routed_experts == routing[:len(res.routed_experts)]).all()
+        # transformers 5 keeps experts fused in memory: [E, 2I, H] (gate rows then up rows), [E, H, I]
+        p = "model.layers.0.mlp.experts."
+        E = 8
+        gate_up = torch.stack([torch.cat([sd_a[f"{p}{e}.gate_proj.weight"], sd_a[f"{p}{e}.up_proj.weight"]])
+                               for e in range(E)])
+        down = torch.stack([sd_a[f"{p}{e}.down_proj.weight"] for e in range(E)])
+        await c.update_weights_from_tensor([encode_tensor_payload({p + "gate_up_proj": gate_up,
+                                                                   p + "down_proj": down})])
+        names = [f"{p}{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down")]
+        assert await c.weights_checksum(names) == {n: tensor_sha256(sd_a[n]) for n in names}
+        await c.update_weights_from_disk(str(path_a), weight_version="default")  # leave it as found
