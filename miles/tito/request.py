@@ -4,7 +4,8 @@ Design decisions:
 - OpenAI and Anthropic requests decode into one `ChatRequest`; the turn logic never sees either
   wire format.
 - Sampling parameters are validated here and renamed to SGLang's `sampling_params` keys
-  (`max_tokens` -> `max_new_tokens`, `seed` -> `sampling_seed`): SGLang's contract gate rejects
+  (`max_tokens` -> `max_new_tokens`, `seed` -> `sampling_seed`, and the common extensions
+  `min_tokens` -> `min_new_tokens`, `ignore_eos`, `top_k`, `min_p`): SGLang's contract gate rejects
   unknown keys, so only keys it knows are ever sent. Unknown request fields (`model`, `user`,
   `metadata`, `tool_choice`, ...) are ignored, as OpenAI-compatible servers do.
 - `n` must be 1: each sample of a task is its own session (or its own request), which is what
@@ -71,6 +72,14 @@ def sampling_params(body: dict, stop_field: str = "stop") -> dict[str, Any]:
     seed = number(body, "seed", None, None, integer=True)
     if seed is not None:
         out["sampling_seed"] = seed
+    min_tokens = number(body, "min_tokens", 0, None, integer=True)
+    if min_tokens:
+        out["min_new_tokens"] = min_tokens
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise RequestError(f"ignore_eos: expected a boolean, got {_short(ignore_eos)}", "ignore_eos")
+        out["ignore_eos"] = ignore_eos
     stop = stop_strings(body.get(stop_field), stop_field)
     if stop:
         out["stop"] = stop
