@@ -19,6 +19,11 @@ from typing import Any, Literal
 
 import msgspec
 
+from miles.algo.config import LossConfig
+from miles.backends.config import TrainConfig
+from miles.rl.config import (BufferConfig, DataConfig, EngineConfig, EvalConfig, LoggingConfig,
+                             LoopConfig, ModelConfig, RolloutConfig, SFTConfig)
+
 
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the key path, value and expectation."""
@@ -63,10 +68,26 @@ class ActorSpec(Base):
     options: dict[str, Any] = {}      # free-form, read by the actor class
 
 
+def _section(cls):
+    return msgspec.field(default_factory=cls)
+
+
 class Recipe(Base):
-    run: RunConfig = msgspec.field(default_factory=RunConfig)
-    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    run: RunConfig = _section(RunConfig)
+    cluster: ClusterConfig = _section(ClusterConfig)
     actors: dict[str, ActorSpec] = {}
+    # the RL loop (miles.loop); unused by recipes that only place their own actors
+    loop: LoopConfig = _section(LoopConfig)
+    model: ModelConfig = _section(ModelConfig)
+    data: DataConfig = _section(DataConfig)
+    rollout: RolloutConfig = _section(RolloutConfig)
+    buffer: BufferConfig = _section(BufferConfig)
+    engine: EngineConfig = _section(EngineConfig)
+    train: TrainConfig = _section(TrainConfig)
+    algo: LossConfig = _section(LossConfig)
+    eval: EvalConfig = _section(EvalConfig)
+    sft: SFTConfig = _section(SFTConfig)
+    logging: LoggingConfig = _section(LoggingConfig)
 
     @property
     def output_dir(self) -> Path:
@@ -146,6 +167,8 @@ def _explain(err: msgspec.ValidationError, tree: dict, source: str, prefix: list
         known = ", ".join(f.encode_name for f in msgspec.structs.fields(owner)) if owner else "?"
         return RecipeError(f"{source}: {full}: unknown key; expected one of: {known}")
     value = _lookup(tree, path)
+    if isinstance(value, dict) and "=" in message:  # a section's own check (__post_init__)
+        return RecipeError(f"{source}: {key}: {message.removeprefix(key + '.')}")
     if message.startswith("Object missing required field"):
         bad = message.split("`")[1]
         return RecipeError(f"{source}: {'.'.join([*path, bad])}: required key is missing")

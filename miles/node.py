@@ -333,6 +333,9 @@ class NodeDaemon(Actor):
 
 def run_node(recipe: Recipe, recipe_path_hint: str = "recipe") -> int:
     """Write the resolved recipe into the run directory and run this node's daemon."""
+    from miles.rl.sources import prepare_recipe
+
+    recipe = prepare_recipe(recipe)
     node = detect_node_env(default_host=recipe.cluster.host)
     out = recipe.output_dir
     out.mkdir(parents=True, exist_ok=True)

@@ -62,12 +62,27 @@ Every public function refuses bad input (shape mismatch, NaN, empty batch, bad m
 with a ValueError that names the argument and the value.
 """
 
-from miles.algo.advantages import AdvantageResult, compute_advantages, group_advantages
-from miles.algo.config import LossConfig
-from miles.algo.layout import cu_seqlens_from_lengths, ids_to_index, loss_mask_counts, padded_cu_seqlens
-from miles.algo.losses import entropy_from_logits, kl_penalty
-from miles.algo.objective import compute_policy_loss, compute_value_loss
-from miles.algo.reduce import loss_denominators
+import importlib
+
+# Lazy exports (PEP 562): `miles.algo.config` is read by every process that loads a recipe, and
+# importing torch there would cost seconds per actor process that never computes a loss.
+_EXPORTS = {
+    "AdvantageResult": "advantages", "compute_advantages": "advantages", "group_advantages": "advantages",
+    "LossConfig": "config",
+    "cu_seqlens_from_lengths": "layout", "ids_to_index": "layout", "loss_mask_counts": "layout",
+    "padded_cu_seqlens": "layout",
+    "entropy_from_logits": "losses", "kl_penalty": "losses",
+    "compute_policy_loss": "objective", "compute_value_loss": "objective",
+    "loss_denominators": "reduce",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'miles.algo' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"miles.algo.{module}"), name)
+
 
 __all__ = [
     "AdvantageResult",

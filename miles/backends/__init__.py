@@ -12,7 +12,17 @@ The FSDP backend also offers `iter_hf_weight_buckets(bucket_bytes)` (full tensor
 and `miles.backends.hf_weights.iter_hf_weight_buckets(model, ...)` for any HF module.
 """
 
-from miles.backends.base import RankInfo, TrainingBackend, make_backend
-from miles.backends.config import TrainConfig
+import importlib
+
+# Lazy (PEP 562): the recipe loader reads `miles.backends.config` in every process; torch is
+# only imported where a backend actually runs.
+_EXPORTS = {"RankInfo": "base", "TrainingBackend": "base", "make_backend": "base", "TrainConfig": "config"}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'miles.backends' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"miles.backends.{module}"), name)
 
 __all__ = ["RankInfo", "TrainConfig", "TrainingBackend", "make_backend"]

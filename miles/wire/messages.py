@@ -225,3 +225,125 @@ class Group(Message):
     samples: list[Sample]
     prompt_index: int = 0
     admitted_version: int = 0   # policy version when generation of the group was started
+
+
+# ---------------------------------------------------------------------------------------------
+# The RL loop: buffer, rollout, trainer, engines, evaluator
+
+class Reserve(Message):
+    """Rollout -> buffer: may I start a new group? Answered when admission allows it."""
+    timeout_s: float = 0.0          # 0: wait as long as it takes
+
+
+class Reservation(Message):
+    slot: int                       # admission order; the trainer receives groups in this order
+    version: int                    # weights version the engines serve now
+
+
+class PutGroup(Message):
+    group: Group
+    slot: int
+
+
+class PutReply(Message):
+    decision: Literal["keep", "retry", "drop", "stale"]
+    reason: str = ""
+
+
+class ReleaseSlot(Message):
+    """Rollout -> buffer: a reserved group will never be put (its prompt failed for good)."""
+    slot: int
+    reason: str = ""
+
+
+class GetBatch(Message):
+    n_groups: int
+    timeout_s: float = 0.0
+
+
+class Batch(Message):
+    groups: list[Group]
+    version: int                    # the trainer's weights version these groups are trained at
+    staleness: list[int] = []       # per group
+
+
+class SetVersion(Message):
+    version: int
+
+
+class BufferMetricsRequest(Message):
+    pass
+
+
+class StartRollout(Message):
+    data_state: dict[str, Any] = {}
+
+
+class StopRollout(Message):
+    pass
+
+
+class RolloutState(Message):
+    data_state: dict[str, Any]
+    metrics: dict[str, float] = {}
+
+
+class GetRolloutState(Message):
+    pass
+
+
+class PauseAdmission(Message):
+    paused: bool
+
+
+class TrainStep(Message):
+    samples: list[Sample]
+    phase: Literal["rl", "sft"] = "rl"
+
+
+class TrainResult(Message):
+    metrics: dict[str, float]
+
+
+class PublishWeights(Message):
+    version: int
+
+
+class SaveCheckpoint(Message):
+    path: str
+    extra_state: dict[str, Any] = {}
+    hf: bool = False
+
+
+class LoadCheckpoint(Message):
+    path: str
+
+
+class CheckpointState(Message):
+    extra_state: dict[str, Any] = {}
+
+
+class GetEngines(Message):
+    pass
+
+
+class EngineSet(Message):
+    gateway_url: str
+    engine_urls: list[str]
+    model_path: str
+    version: int = 0
+
+
+class Evaluate(Message):
+    step: int
+    version: int
+    checkpoint_dir: str = ""
+
+
+class EvalResult(Message):
+    step: int
+    version: int
+    ok: bool
+    metrics: dict[str, float] = {}
+    lag_s: float = 0.0              # from the request (the step's end) to the result
+    error: str = ""

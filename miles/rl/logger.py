@@ -1,0 +1,107 @@
+"""Run metrics: JSONL always, TensorBoard and W&B when installed and asked for, a progress bar,
+and a reward-curve PNG at the end.
+
+Design decisions:
+- JSONL is the source of truth (`metrics.jsonl`, one object per step or eval, each with `step`,
+  `version` and `time_s`); the other sinks are optional mirrors that never fail the run: a sink
+  that cannot start is reported once and skipped.
+- The PNG is drawn from the JSONL, so it can be redrawn later (`python -m miles.rl.logger RUN_DIR`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, cfg, total_steps: int, run_name: str = "miles",
+                 resume: bool = False):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cfg, self.t0 = cfg, time.monotonic()
+        self.path = self.dir / "metrics.jsonl"
+        self.file = open(self.path, "a" if resume else "w") if cfg.jsonl else None
+        self.tb = self.wandb = self.bar = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except Exception as e:
+                print(f"[logger] tensorboard unavailable ({e}); skipping it", flush=True)
+        if cfg.wandb:
+            try:
+                import wandb
+                self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(self.dir))
+            except Exception as e:
+                print(f"[logger] wandb unavailable ({e}); skipping it", flush=True)
+        if cfg.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, desc="RL steps", file=sys.stdout, dynamic_ncols=True,
+                            mininterval=0.5)
+
+    def log(self, kind: str, step: int, metrics: dict, **extra) -> None:
+        record = {"kind": kind, "step": step, "time_s": round(time.monotonic() - self.t0, 3),
+                  **extra, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log({**numeric, "step": step})
+        if self.bar is not None:
+            if kind == "train":
+                self.bar.update(1)
+            shown = {k.split("/")[-1]: f"{v:.3g}" for k, v in numeric.items()
+                     if k in ("rollout/reward", "eval/reward", "buffer/staleness_avg")}
+            if shown:
+                self.bar.set_postfix(shown)
+
+    def close(self, plot: bool = True) -> Path | None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        return plot_rewards(self.dir) if plot else None
+
+
+def plot_rewards(run_dir: str | Path) -> Path | None:
+    run_dir = Path(run_dir)
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    train = [(r["step"], r["rollout/reward"]) for r in rows if r["kind"] == "train" and "rollout/reward" in r]
+    evals = [(r["step"], r["eval/reward"]) for r in rows if r["kind"] == "eval" and "eval/reward" in r]
+    if not train and not evals:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train reward (rollout samples)", alpha=0.7)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out reward (greedy)", linewidth=2)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(run_dir.name)
+    out = run_dir / "reward_curve.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    print(plot_rewards(sys.argv[1]))

@@ -1,0 +1,84 @@
+"""Preparing a recipe's inputs: the model directory, the data files, the tokenizer, data sources.
+
+`prepare_recipe` runs once per node before any actor starts: it builds the tiny model and the
+synthetic task when the recipe asks for them (offline, cached), and fills in the paths every
+actor then reads from the resolved recipe (`model.path`, `train.model_path`, `data.*`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import msgspec
+
+from miles.rl.data import FileSource
+from miles.rl.rewards import load_function
+
+TASKS = {"addition": "miles.rl.tasks:make_task"}
+
+
+def prepare_recipe(recipe):
+    model, data, train = recipe.model, recipe.data, recipe.train
+    if model.tiny and not model.path:
+        from miles.tiny import build_tiny_model, build_tokenizer
+        tok = build_tokenizer(vocab_size=model.tokenizer_vocab)
+        model = msgspec.structs.replace(model, path=str(build_tiny_model(
+            arch=model.tiny, seed=recipe.run.seed, tokenizer_dir=tok, **model.tiny_overrides)))
+    if model.path and not train.model_path:
+        train = msgspec.structs.replace(train, model_path=model.path)
+    if data.task and not data.path:
+        if data.task not in TASKS:
+            raise ValueError(f"data.task = {data.task!r}: expected one of {sorted(TASKS)}")
+        out = Path(recipe.output_dir) / "data"
+        load_function(TASKS[data.task], "data.task")(out, seed=recipe.run.seed)
+        data = msgspec.structs.replace(
+            data, path=str(out / "train.jsonl"), eval_path=data.eval_path or str(out / "test.jsonl"),
+            sft_path=data.sft_path or str(out / "sft.jsonl"))
+    return with_default_actors(msgspec.structs.replace(recipe, model=model, data=data, train=train))
+
+
+@lru_cache(maxsize=4)
+def tokenizer_for(model_path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def make_source(recipe, split: str = "train"):
+    data = recipe.data
+    if data.source and split == "train":
+        return load_function(data.source, "data.source")(recipe)
+    path = {"train": data.path, "eval": data.eval_path, "sft": data.sft_path}[split]
+    if not path:
+        raise ValueError(f"data.{'path' if split == 'train' else split + '_path'}: not set "
+                         f"(and no data.task to make one)")
+    return FileSource(path, prompt_key=data.prompt_key, label_key=data.label_key,
+                      metadata_key=data.metadata_key, shuffle=data.shuffle and split == "train",
+                      seed=recipe.run.seed)
+
+
+RL_ROLES = {
+    "driver": ("miles.loop:LoopDriver", {"main": True}),
+    "buffer": ("miles.actors.buffer:Buffer", {}),
+    "rollout": ("miles.actors.rollout:RolloutWorker", {}),
+    "engines": ("miles.actors.engines:EngineFleet", {}),
+    "trainer": ("miles.actors.trainer:Trainer", {"distributed": True}),
+    "evaluator": ("miles.actors.evaluator:Evaluator", {}),
+}
+
+
+def with_default_actors(recipe):
+    """An RL recipe (it names a model) gets the standard roles for those it does not place itself;
+    `rollout.worker` picks the rollout class. A recipe of only its own actors is left alone."""
+    from miles.config import ActorSpec
+
+    if not (recipe.model.path or recipe.model.tiny) or (recipe.actors and "driver" not in recipe.actors
+                                                        and not any(k in recipe.actors for k in RL_ROLES)):
+        return recipe
+    actors = dict(recipe.actors)
+    for role, (cls, extra) in RL_ROLES.items():
+        if role == "rollout":
+            cls = recipe.rollout.worker
+        if role not in actors:
+            actors[role] = ActorSpec(cls=cls, **extra)
+    return msgspec.structs.replace(recipe, actors=actors)
