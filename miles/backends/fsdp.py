@@ -182,7 +182,7 @@ class FSDPBackend(TrainingBackend):
             step_metrics.update(self._all_reduce_sums(sums))
             for name, value in step_metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
-        return self._finish_metrics(totals, len(plan), batch, time.perf_counter() - t0)
+        return self._finish_metrics(totals, len(plan), k, batch, time.perf_counter() - t0)
 
     def _agree_on_batch(self, samples: Sequence[Sample]) -> CheckedBatch:
         """Check the batch on every rank, then agree: all raise together or all go on."""
@@ -278,14 +278,15 @@ class FSDPBackend(TrainingBackend):
         dist.all_reduce(vec)
         return dict(zip(names, vec.tolist()))
 
-    def _finish_metrics(self, totals: dict[str, float], steps: int, batch: CheckedBatch,
-                        seconds: float) -> Metrics:
+    def _finish_metrics(self, totals: dict[str, float], steps: int, microbatches: int,
+                        batch: CheckedBatch, seconds: float) -> Metrics:
         out = {name: value / steps for name, value in totals.items()}
         for name in ("tokens", "skipped_steps"):
             out[name] = totals.get(name, 0.0)
         out["kl"] = out.get("kl_loss", out.get("ppo_kl", 0.0))
         out["samples"] = float(len(batch.samples))
         out["optimizer_steps"] = float(steps)
+        out["microbatches"] = float(microbatches)  # per rank, dummies included
         out["step_s"] = seconds
         out["tokens_per_s"] = out["tokens"] / seconds if seconds > 0 else 0.0
         return out

@@ -45,15 +45,19 @@ def free_port() -> int:
 
 
 def run_ranks(scenario: str, out_dir: Path, *, world_size: int = 2, timeout_s: float = 120,
-              extra_env: dict[str, str] | None = None) -> list[dict]:
-    """Run fsdp_worker.py as `world_size` ranks (torchrun-style env); return each rank's JSON."""
+              cuda: bool = False) -> list[dict]:
+    """Run fsdp_worker.py as `world_size` ranks (torchrun-style env); return each rank's JSON.
+
+    cuda=False hides GPUs (gloo on CPU); cuda=True gives rank r GPU r (NCCL)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                   CUDA_VISIBLE_DEVICES="", **(extra_env or {}))
+                   MILES_TEST_DEVICE="cuda" if cuda else "cpu")
+        if not cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         out = out_dir / f"rank{rank}.json"
         procs.append((subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))

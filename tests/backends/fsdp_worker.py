@@ -4,12 +4,16 @@
 
 Runs every multi-rank check on one tiny model in one process pair (process start-up dominates the
 cost on CPU), asserting as it goes; writes the figures the pytest side checks again to <out.json>.
+On CPU (gloo) every comparison is exact or at fp32 rounding; with MILES_TEST_DEVICE=cuda (NCCL,
+tests/gpu) the ranks use GPUs, whose backward kernels may add in any order, so resumed losses are
+compared to a relative 1e-5 instead of bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+ON_CUDA = os.environ.get("MILES_TEST_DEVICE", "cpu") == "cuda"
 
 from backend_helpers import make_samples  # noqa: E402
 
@@ -61,7 +66,7 @@ class RecordingTransport(WeightTransport):
         self.bucket_bytes.append(sum(t.numel() * t.element_size() for _, t in named_tensors))
         for name, t in named_tensors:
             assert name not in self.tensors, f"{name} sent twice"
-            self.tensors[name] = t.clone()
+            self.tensors[name] = t.detach().cpu().clone()
 
     def finish(self, version):
         self.calls.append(f"finish:{version}")
@@ -96,7 +101,14 @@ def reference_grads(path, samples, loss_cfg):
 
 
 def rel_err(a, b):
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def same_losses(a, b):
+    if not ON_CUDA:
+        return a == b
+    return all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
 
 
 def local_checksum(backend):
@@ -191,7 +203,7 @@ def suite(arch: str, out: Path) -> None:
     extra = resumed.load_model(ckpt)
     assert extra == {"data_position": 3} and resumed.step == 3, (extra, resumed.step)
     again = [resumed.train(batch)["loss"] for _ in range(2)]
-    assert again == after, f"resume changed the losses: {after} vs {again}"
+    assert same_losses(again, after), f"resume changed the losses: {after} vs {again}"
     result["resume_losses"] = after
 
     # 5. HF export: loads in transformers, log-probs and entropies equal the trainer's.
@@ -215,8 +227,8 @@ def suite(arch: str, out: Path) -> None:
                 logp = torch.log_softmax(exported(input_ids=ids).logits[0, n - r - 1:n - 1].float(), -1)
                 lps.append(logp.gather(1, ids[0, n - r:, None]).squeeze(1))
                 ents.append(-(logp.exp() * logp).sum(-1))
-        result["export_logprob_max_diff"] = float((torch.cat(lps) - train_lp).abs().max())
-        result["export_entropy_max_diff"] = float((torch.cat(ents) - train_ent).abs().max())
+        result["export_logprob_max_diff"] = float((torch.cat(lps) - train_lp.cpu()).abs().max())
+        result["export_entropy_max_diff"] = float((torch.cat(ents) - train_ent.cpu()).abs().max())
 
     # 6. update_weights: HF names (per-expert for MoE), the same tensors as the export, in buckets.
     transport = RecordingTransport(is_sender=rank.rank == 0)
