@@ -4,6 +4,14 @@ The rollout side sends `/generate` to `Gateway.url` with an `X-SMG-Routing-Key` 
 per session); control calls (pause, weight updates) go to each engine directly through
 `Gateway.engine_urls`, or through smg's RL fan-out (`Gateway.fanout`).
 
+    engines = [await launch_sglang(SGLangServerArgs(model_path=m, port=p)) for p in ports]
+    gateway = await launch_gateway(GatewayConfig(port=free_port(),
+                                                 prometheus_port=free_port()),
+                                   [e.url for e in engines])
+    ...  # EngineClient(gateway.url).generate(ids, params, routing_key=session_id)
+    await gateway.add_worker(url); await gateway.remove_worker(url)
+    gateway.stop(); [e.stop() for e in engines]
+
 Design decisions:
 - The real `smg` binary (`python -m smg launch`), not a Python proxy: it forwards every
   top-level `/generate` field (`return_routed_experts`, `session_id`, ...) and is what

@@ -6,8 +6,8 @@ Design decisions:
   weight path needs the TP layout, R3 needs `--enable-return-routed-experts`. Everything else
   is SGLang's business and passes through from the recipe table `[engine.sglang]` unchanged,
   so a new SGLang flag never needs a Miles release.
-- Passthrough rules follow SGLang's argparse (generated from its dataclass fields in
-  `sglang/srt/arg_groups/arg_utils.py`): `foo_bar = v` -> `--foo-bar v`; `true` -> bare
+- Passthrough rules (`procs.table_to_flags`) follow SGLang's argparse, which is generated from
+  its dataclass fields (`sglang/srt/arg_groups/arg_utils.py`): `foo_bar = v` -> `--foo-bar v`; `true` -> bare
   `--foo-bar` (store_true); `false` / absent -> omitted (SGLang's default); a list ->
   `--foo-bar v1 v2` (nargs="+"); a table -> one JSON string (the `json_*` flags). A few list
   flags take one JSON string instead (`json_list_type`); write those as a string in the recipe.
@@ -15,8 +15,9 @@ Design decisions:
   silently uses the wrong port. The error names the key and the field to use instead.
 - DP attention uses `--attn-dp-size N` (sglang 0.5.23; `--dp-size N --enable-dp-attention`
   is the deprecated spelling). Such an engine needs the gateway in `--dp-aware` mode.
-- Flag names were checked against sglang 0.5.23 `server_args.py` / `arg_groups/fields/*.py`.
-  SGLang is not importable on CPU machines, so nothing here imports it; a bad passthrough flag
+- Every flag we emit is checked against the CLI of the sglang 0.5.23 wheel
+  (tests/engines/test_sglang.py). SGLang is not importable on CPU machines, so nothing here
+  imports it; a bad passthrough flag
   fails in SGLang's own argparse and the launch error quotes its log.
 - Lifecycle (own process group, health wait with log tail, SIGTERM then SIGKILL) is
   `procs.ServerProcess`; this file only builds the command line.
