@@ -5,7 +5,9 @@ Design decisions:
   SGLang's field names); this file only decides *what* a TITO turn asks for: token ids in,
   logprobs always on, the family's stop tokens, routed experts from the attach point onward, and
   the session id as `X-SMG-Routing-Key` so every turn of a session lands on one engine (its KV
-  prefix is still there).
+  prefix is still there), and as SGLang's `session_id`, so an engine started with
+  `--enable-session-radix-cache` evicts that session's KV last. (Releasing it with
+  `/close_session` when a session is collected is not done yet.)
 - Engine failures become `EngineTurnError` with the HTTP status the client should see: the
   engine refused the body -> 502 (our request was wrong or the client's sampling values were);
   unreachable, 5xx or timed out -> 503/504 (retryable); aborted (weight update with abort mode,
@@ -43,6 +45,7 @@ class TurnEngine:
         try:
             result = await self.client.generate(
                 plan.input_ids, params, return_logprob=True, rid=rid, routing_key=routing_key,
+                session_id=routing_key,
                 return_routed_experts=want_routed_experts,
                 routed_experts_start_len=plan.routed_experts_start if want_routed_experts else 0)
         except EngineRequestError as e:

@@ -8,6 +8,8 @@ Design decisions:
   per message, which is why per-turn cost does not grow with the history (bench/tito.py).
 - The steps are synchronous and never await in between, so concurrent turns of one session (a
   harness running subagents in parallel) need no lock: asyncio runs each step atomically.
+- The newest checkpoint's path is also kept as a Python list (one per session), so the usual next
+  turn builds its input ids by one list copy instead of converting the whole history again.
 - Context limits are checked before anything is added to the tree: a refused turn leaves the
   session exactly as it was. `max_tokens` beyond the remaining context is clipped, not refused.
 - The reply is parsed from the engine's output ids (decoded with special tokens kept); the stored
@@ -72,6 +74,7 @@ class Session:
         self.tree = TrajectoryTree()
         self.created_s = time.time()
         self.turns = 0
+        self._last_path: tuple[Node | None, list[int]] = (None, [])   # newest checkpoint's ids as a list
         self.stop_ids = {tokenizer.token_id(t) for t in family.stop_tokens if t in tokenizer.added_ids}
 
     # -- a turn ------------------------------------------------------------------------------
@@ -117,7 +120,12 @@ class Session:
         routed_start = 0
         if want_routed_experts and loc.attach.kind == "completion" and loc.attach.routed is not None:
             routed_start = loc.attach.routed_end   # positions up to the attach point are already stored
-        return TurnPlan(prompt=prompt, input_ids=self.tree.path_ids(prompt).tolist(),
+        cached_node, cached_ids = self._last_path
+        if cached_node is loc.attach and prompt.parent is loc.attach:
+            input_ids = cached_ids + prompt.ids.tolist()      # list copy: no per-token Python work
+        else:
+            input_ids = self.tree.path_ids(prompt).tolist()
+        return TurnPlan(prompt=prompt, input_ids=input_ids,
                         max_new_tokens=min(max_tokens or room, room), routed_experts_start=routed_start,
                         reused_prompt=reused, appended_tokens=n_new, options=dict(options or {}))
 
@@ -152,6 +160,7 @@ class Session:
         if out.routed_experts is not None:
             node.routed, node.routed_start = np.asarray(out.routed_experts), plan.routed_experts_start
         node.meta = dict(out.meta)
+        self._last_path = (node, plan.input_ids + list(out.output_ids))
         self.turns += 1
         return node, reply
 

@@ -87,12 +87,10 @@ async def stack(tmp_path_factory):
         async with aiohttp.ClientSession() as http:
             yield url, proxies, http
     finally:
-        await server.stop_async(grace_s=5)
-        await gateway.stop_async(grace_s=5)
+        await asyncio.gather(server.stop_async(grace_s=5), gateway.stop_async(grace_s=5),
+                             *(e.stop_async(grace_s=5) for e in engines))
         for p in proxies:
             await p.stop()
-        for e in engines:
-            await e.stop_async(grace_s=5)
 
 
 TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run a command.",

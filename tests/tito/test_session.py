@@ -227,3 +227,16 @@ def test_per_turn_tokenization_covers_only_the_appended_messages(tiny_tokenizer)
         msgs += [as_dict(reply.to_message()), {"role": "tool", "content": f"result {t}"}]
     assert encoded[0] > 10_000
     assert max(encoded[1:]) < 100          # bridge + one tool message + generation prompt
+
+
+def test_stop_string_cuts_the_reply_and_the_bridge_closes_the_turn(session, tiny_tokenizer):
+    msgs = [{"role": "user", "content": "count"}]
+    plan = session.prepare(parse_openai_messages(msgs), None)
+    ids = tiny_tokenizer.encode("one two STOP")
+    node, reply = session.complete(plan, EngineTurn(output_ids=ids, logprobs=[-1.0] * len(ids),
+                                                    finish_reason={"type": "stop", "matched": "STOP"}))
+    assert reply.content == "one two " and list(node.ids) == ids      # the engine's ids, untouched
+    assert node.bridge == "<|im_end|>\n"
+    msgs += [as_dict(reply.to_message()), {"role": "user", "content": "again"}]
+    plan2 = session.prepare(parse_openai_messages(msgs), None)
+    assert plan2.prompt.parent is node
