@@ -379,8 +379,10 @@ class Scheduler:
 
 
 def _to_host(out):
-    tokens = out.tokens.tolist()
-    logprobs = out.logprobs.tolist()
+    # One device->host transfer per step (token ids < 2**53 are exact in float64).
+    both = torch.stack([out.tokens.double(), out.logprobs.double()]).cpu()
+    tokens = [int(t) for t in both[0].tolist()]
+    logprobs = both[1].tolist()
     tops = None
     if out.top_ids is not None:
         ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
