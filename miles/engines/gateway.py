@@ -31,8 +31,8 @@ Design decisions:
   generate and `/ready` answers 503 while generation is paused, so during every weight
   update smg would mark all engines unhealthy and refuse requests instead of queueing them.
   `/model_info` answers whenever the HTTP server is up, which is what routing needs; a
-  wedged scheduler is the node supervisor's job. Probes are frequent (2 s) so a killed
-  engine leaves routing within seconds even if nobody calls `remove_worker`.
+  wedged scheduler is the node supervisor's job. Probes are frequent (every 2 s, two failures)
+  so a killed engine leaves routing within ~5 s even if nobody calls `remove_worker`.
 - Worker overload protection is off: RL rollouts keep engines saturated on purpose, and
   smg's protection would move sticky sessions off their engine (losing the prefix cache).
 - Always an explicit prometheus host/port (smg's default binds 0.0.0.0:29000) and a short
@@ -94,7 +94,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_rl: bool = True  # mount /v1/rl (worker discovery and control fan-out)
     max_retries: int = 0
     health_check_interval_s: int = 2
-    health_failure_threshold: int = 1
+    health_failure_threshold: int = 2  # one slow probe must not move sticky sessions
     health_check_endpoint: str = "/model_info"
     request_timeout_s: int = 1800
     shutdown_grace_period_s: int = 2

@@ -146,7 +146,7 @@ async def _kill_one_of_two(gateway, a, b):
             assert status == 200 and worker == b.url, out
             assert len(out["output_ids"]) == 300
 
-        # smg's health check (every 2 s, one failure) drops A without anybody calling it.
+        # smg's health check (every 2 s, two failures) drops A without anybody calling it.
         deadline = killed_at + 15
         while any(w["url"] == a.url and w["is_healthy"] for w in await gateway.workers()):
             assert time.monotonic() < deadline, "the gateway still thinks the dead engine is up"
