@@ -62,6 +62,19 @@ def llama_tokenizer_path(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def llama_model_dir(llama_tokenizer_path, tmp_path_factory) -> Path:
+    """A tiny random model whose vocabulary has the Llama 3 header tokens (for a llama3 engine session)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from miles.tiny import build_tiny_model
+    tok_dir = tmp_path_factory.mktemp("llama3-tok-dir")
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(llama_tokenizer_path)), eos_token="<|eot_id|>",
+                            pad_token="<|end_of_text|>", bos_token="<|begin_of_text|>").save_pretrained(tok_dir)
+    return build_tiny_model(tmp_path_factory.mktemp("llama3-model") / "model", arch="qwen3", tokenizer_dir=tok_dir)
+
+
 @dataclass
 class ScriptedEngine:
     tokenizer: ChatTokenizer

@@ -204,3 +204,48 @@ async def test_agent_group_runs_a_user_agent_loaded_by_import_path(stack):
                                      1, url, group_id="broken")
     assert failed.status == "failed" and len(failed.tokens) == 0 and failed.rollout_id == "broken/0"
     assert "max_tokens: expected an integer" in failed.metadata["agent_error"]
+
+
+async def test_llama3_family_session_against_a_real_engine(llama_model_dir, tmp_path):
+    """A second family end to end: Llama 3 headers, empty bridge after <|eot_id|>, token-exact."""
+    from miles.engines.embedded import launch_embedded_engine
+    engine = await launch_embedded_engine(llama_model_dir, extra_args=["--torch-threads", "1"],
+                                          log_path=tmp_path / "engine.log")
+    proxy = RecordingProxy("llama", engine.url)
+    await proxy.start()
+    port = free_port()
+    server = ServerProcess("tito-llama", [sys.executable, "-m", "miles.tito.server", "--engine-url", proxy.url,
+                                          "--model-path", str(llama_model_dir), "--family", "llama3",
+                                          "--port", str(port)], log_path=tmp_path / "tito.log").start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await server.wait_healthy(url, timeout_s=60)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/sessions", json={}) as r:
+                s = await r.json()
+            msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+            for t in range(5):
+                async with http.post(s["openai_base_url"] + "/chat/completions",
+                                     json={"messages": msgs, "tools": TOOLS, "max_tokens": 8}) as r:
+                    answer = await r.json()
+                    assert r.status == 200, answer
+                msgs += [answer["choices"][0]["message"], {"role": "tool", "content": f"out {t}"}]
+        from miles.tito.tokenizer import load_tokenizer
+        tok = load_tokenizer(str(llama_model_dir))
+        turns = proxy.for_session(s["session_id"])
+        assert tok.decode(turns[0][0]["input_ids"][:1]) == "<|begin_of_text|>"
+        for (req, ans), (nxt, _) in zip(turns, turns[1:]):
+            prefix = req["input_ids"] + ans["output_ids"]
+            assert nxt["input_ids"][:len(prefix)] == prefix
+            appended = tok.decode(nxt["input_ids"][len(prefix):])
+            if ans["output_ids"][-1] == tok.token_id("<|eot_id|>"):
+                assert appended.startswith("<|start_header_id|>ipython<|end_header_id|>")
+            else:   # cut by max_tokens: the bridge closes the turn first
+                assert appended.startswith("<|eot_id|><|start_header_id|>ipython")
+        async with SessionServerClient(url) as client:
+            [sample] = await client.collect(s["session_id"])
+        assert sample.tokens.tolist() == turns[-1][0]["input_ids"] + turns[-1][1]["output_ids"]
+        assert int(sample.loss_mask.sum()) == sum(len(a["output_ids"]) for _, a in turns)
+    finally:
+        await asyncio.gather(server.stop_async(grace_s=5), engine.stop_async(grace_s=5))
+        await proxy.stop()

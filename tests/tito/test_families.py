@@ -123,3 +123,11 @@ def test_message_validation_names_the_field():
         parse_openai_messages([])
     msgs = parse_openai_messages([{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert (msgs[0].role, msgs[0].content) == ("system", "ab")
+
+
+def test_tito_never_imports_actors():
+    import subprocess
+    import sys
+    code = ("import sys, miles.tito.server, miles.tito.verify, miles.tito.client, miles.envs.agent; "
+            "bad = [m for m in sys.modules if m.startswith('miles.actors')]; assert not bad, bad")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
