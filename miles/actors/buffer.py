@@ -4,12 +4,15 @@ Design decisions:
 - Capacity is counted in groups. `PutGroup` waits while the buffer is full: backpressure on the
   rollout, never a drop. A group accepted into the queue is handed to the trainer or explicitly
   decided on by the policy (retry/drop/stale), and every decision is counted.
-- Staleness is controlled by admission. Groups are admitted in slots (0, 1, 2, ...): slot `s` is
-  trained at version `s // groups_per_step` when batches are taken in slot order, so a group may
-  start only while `live slots < (version + 1 + max_staleness) * groups_per_step`. A long
-  trajectory therefore keeps its place instead of being starved by faster ones, and
-  `max_staleness = 0` is exactly synchronous on-policy RL. Slots of dropped groups are handed back
-  (so dynamic sampling refills the batch).
+- Staleness is controlled by admission. Groups are admitted in slots (0, 1, 2, ...); with G groups
+  per step, slot `s` is due for training at version `s // G`. Two rules, both needed:
+  (A) `trainable slots < (version + 1 + max_staleness) * G`: nothing starts that could only be
+      trained more than `max_staleness` versions late (`max_staleness = 0` is exactly synchronous
+      on-policy RL: the next batch starts only once the new weights are published);
+  (B) `next slot - oldest live slot < (max_staleness + 1) * G`: a slow group holds the window
+      open, so faster groups can overtake it by at most that much. A long trajectory is
+      therefore trained within bounds instead of being overtaken until it is stale (starved).
+  Slots of dropped groups are handed back, so dynamic sampling refills the batch.
 - Batches are taken oldest slot first. A group that is nevertheless too stale when taken (it was
   overtaken while retried, say) meets the reject-stale backstop: `buffer.stale_action` decides
   (retry the prompt, or drop).
@@ -87,12 +90,14 @@ class Buffer(Actor):
         super().__init__(name)
         self.version = 0
         self.next_slot = 0
-        self.live_slots = 0           # admitted and not handed back
+        self.handed_back = 0          # slots dropped/filtered/stale: never trained
+        self.live: set[int] = set()   # admitted slots not yet trained nor handed back
         self.queue: list[tuple[int, Group]] = []  # heap by slot
         self.counts = {"kept": 0, "retried": 0, "dropped": 0, "stale": 0, "filtered": 0,
                        "batches": 0, "groups_out": 0}
         self.staleness_sum, self.staleness_max = 0, 0
         self.trainer_wait_s = 0.0
+        self.stale_prompts: list[int] = []   # prompt indices rejected as stale (retried by policy)
         self._changed = asyncio.Condition()
         self.configure()
 
@@ -117,8 +122,11 @@ class Buffer(Actor):
     # ----- admission ---------------------------------------------------------------------------
 
     def _admissible(self) -> bool:
-        budget = (self.version + 1 + self.max_staleness) * self.groups_per_step
-        return self.live_slots < budget
+        window = (self.max_staleness + 1) * self.groups_per_step
+        trainable = self.next_slot - self.handed_back
+        oldest = min(self.live) if self.live else self.next_slot
+        return (trainable < (self.version + 1) * self.groups_per_step + window - self.groups_per_step
+                and self.next_slot - oldest < window)
 
     async def on_reserve(self, msg: Reserve) -> Reservation:
         async with self._changed:
@@ -126,17 +134,19 @@ class Buffer(Actor):
                                    msg.timeout_s or None)
             slot = self.next_slot
             self.next_slot += 1
-            self.live_slots += 1
-            return Reservation(slot=slot, version=self.version)
+            self.live.add(slot)
+            retry = self.stale_prompts.pop(0) if self.stale_prompts else -1
+            return Reservation(slot=slot, version=self.version, retry_prompt=retry)
 
-    async def _release(self, n: int = 1) -> None:
+    async def _finish(self, slot: int, handed_back: bool) -> None:
         async with self._changed:
-            self.live_slots -= n
+            self.live.discard(slot)
+            self.handed_back += int(handed_back)
             self._changed.notify_all()
 
     async def on_release_slot(self, msg: ReleaseSlot) -> None:
         self.counts["dropped"] += 1
-        await self._release()
+        await self._finish(msg.slot, handed_back=True)
 
     async def on_set_version(self, msg: SetVersion) -> None:
         async with self._changed:
@@ -149,13 +159,13 @@ class Buffer(Actor):
         decision = self.policy.on_put(msg.group)
         if decision.action == "keep" and not self.keep_group(msg.group):
             self.counts["filtered"] += 1
-            await self._release()
+            await self._finish(msg.slot, handed_back=True)
             return PutReply(decision="drop", reason="filtered by buffer.filter")
         if decision.action != "keep":
             key = {"retry": "retried", "drop": "dropped", "stale": "stale"}[decision.action]
             self.counts[key] += 1
             if decision.action != "retry":  # a retried group keeps its slot
-                await self._release()
+                await self._finish(msg.slot, handed_back=True)
             return PutReply(decision=decision.action, reason=decision.reason)
         async with self._changed:
             await self._changed.wait_for(lambda: len(self.queue) < self.capacity_groups)
@@ -176,12 +186,15 @@ class Buffer(Actor):
                 if lag > self.max_staleness + 1:  # backstop; admission normally prevents it
                     decision = self.policy.on_stale(group, lag)
                     self.counts["stale"] += 1
-                    self.live_slots -= 1
-                    group.samples[0].metadata["stale_action"] = decision.action
+                    self.live.discard(slot)
+                    self.handed_back += 1
+                    if decision.action == "retry":  # the next reservation regenerates it
+                        self.stale_prompts.append(group.prompt_index)
+                    self._changed.notify_all()  # the window moved: admission may go on
                     continue
                 groups.append(group)
                 staleness.append(lag)
-            self.live_slots -= len(groups)
+                self.live.discard(slot)
             self._changed.notify_all()
         self.trainer_wait_s += time.monotonic() - t0
         self.counts["batches"] += 1
@@ -194,7 +207,7 @@ class Buffer(Actor):
         out = super().metrics()
         out.update({f"buffer/{k}": float(v) for k, v in self.counts.items()})
         out.update({"buffer/queue_groups": float(len(self.queue)),
-                    "buffer/live_slots": float(self.live_slots),
+                    "buffer/live_slots": float(len(self.live)),
                     "buffer/version": float(self.version),
                     "buffer/staleness_avg": self.staleness_sum / max(1, self.counts["groups_out"]),
                     "buffer/staleness_max": float(self.staleness_max),

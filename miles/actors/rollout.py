@@ -116,7 +116,11 @@ class RolloutWorker(Actor):
                 prompt, slot, attempt = self.retry_queue.pop(0)
             else:
                 reservation = await self.buffer.call(Reserve(), timeout_s=10**9)
-                prompt, slot, attempt = next(self.source), reservation.slot, 0
+                slot, attempt = reservation.slot, 0
+                if reservation.retry_prompt >= 0 and hasattr(self.source, "at"):
+                    prompt = self.source.at(reservation.retry_prompt)
+                else:
+                    prompt = next(self.source)
             self.counts["groups_started"] += 1
             task = asyncio.get_running_loop().create_task(self._run_group(prompt, slot, attempt))
             self._tasks_groups.add(task)

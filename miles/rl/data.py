@@ -91,17 +91,20 @@ class FileSource:
         return self
 
     def __next__(self) -> Prompt:
-        epoch, offset = divmod(self.position, len(self.rows))
+        prompt = self.at(self.position)
+        self.position += 1
+        return prompt
+
+    def at(self, index: int) -> Prompt:
+        """The prompt at stream position `index` (the same one `next` gave or will give)."""
+        epoch, offset = divmod(index, len(self.rows))
         if epoch != self._epoch:
             self._epoch, self._order = epoch, self._order_for(epoch)
         row = self.rows[self._order[offset]]
         pk, lk, mk = self.keys
         label = row.get(lk)
-        prompt = Prompt(index=self.position, prompt=row[pk],
-                        label=None if label is None else str(label),
-                        metadata=dict(row.get(mk) or {}))
-        self.position += 1
-        return prompt
+        return Prompt(index=index, prompt=row[pk], label=None if label is None else str(label),
+                      metadata=dict(row.get(mk) or {}))
 
     def state(self) -> dict:
         return {"position": self.position}

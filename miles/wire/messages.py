@@ -236,8 +236,9 @@ class Reserve(Message):
 
 
 class Reservation(Message):
-    slot: int                       # admission order; the trainer receives groups in this order
+    slot: int                       # admission order; batches are taken in this order
     version: int                    # weights version the engines serve now
+    retry_prompt: int = -1          # >= 0: regenerate this prompt (its group was rejected as stale)
 
 
 class PutGroup(Message):
