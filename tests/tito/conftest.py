@@ -25,7 +25,6 @@ from miles.engines.procs import free_port
 from miles.tito.families.llama3 import LLAMA3_SPECIAL_TOKENS
 from miles.tito.tokenizer import ChatTokenizer, load_tokenizer
 
-DATA = Path(__file__).parent / "data"
 ROUTED_LAYOUT = (2, 2)   # layers, top_k of the scripted engine's routed experts
 
 

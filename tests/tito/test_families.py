@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import json
 
 import pytest
@@ -11,7 +13,7 @@ from miles.tito.families.qwen3 import Qwen3Family
 from miles.tito.messages import ChatMessage, RequestError, ToolCall, parse_openai_messages, parse_openai_tools
 from miles.tito.template import render_template
 
-from conftest import DATA
+DATA = Path(__file__).parent / "data"
 
 
 def _conversations(name: str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import json
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from miles.tito.messages import parse_openai_messages
 from miles.tito.tokenizer import load_tokenizer
 from miles.tito.verify import compare, main, verify_conversation
 
-from conftest import DATA
+DATA = Path(__file__).parent / "data"
 
 QWEN_DATA = str(DATA / "conversations_qwen3.jsonl")
 LLAMA_DATA = str(DATA / "conversations_llama3.jsonl")
