@@ -59,6 +59,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda" means the current device; make it explicit
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = torch_dtype(cfg.dtype)
         self.hf_config = load_hf_config(model_path)

@@ -101,7 +101,8 @@ class Scheduler:
         self.paused: str | None = None
         self.step_lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute",
+                                           initializer=self._init_compute_thread)
         self._task: asyncio.Task | None = None
         self.last_step_s = time.time()
         self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "finished": 0,
@@ -109,6 +110,11 @@ class Scheduler:
         self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
 
     # ---- lifecycle -------------------------------------------------------------------------
+
+    def _init_compute_thread(self) -> None:
+        # The current CUDA device (and so current_stream, graph capture, NCCL) is per thread.
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler")
