@@ -118,7 +118,7 @@ class Session:
             prompt = self.tree.add_prompt(loc.attach, loc.prompt_key, ids, loc.n_messages)
         prompt.inflight += 1
         routed_start = 0
-        if want_routed_experts and loc.attach.kind == "completion" and loc.attach.routed is not None:
+        if want_routed_experts and loc.attach.routed_complete:
             routed_start = loc.attach.routed_end   # positions up to the attach point are already stored
         cached_node, cached_ids = self._last_path
         if cached_node is loc.attach and prompt.parent is loc.attach:
@@ -159,6 +159,9 @@ class Session:
         node.versions = [(str(v), int(s), int(e)) for v, s, e in out.weight_versions]
         if out.routed_experts is not None:
             node.routed, node.routed_start = np.asarray(out.routed_experts), plan.routed_experts_start
+            before = prompt.parent
+            node.routed_complete = node.routed_start == 0 or (
+                before.kind == "completion" and before.routed_complete and before.routed_end == node.routed_start)
         node.meta = dict(out.meta)
         self._last_path = (node, plan.input_ids + list(out.output_ids))
         self.turns += 1

@@ -33,7 +33,7 @@ _ids = itertools.count(1)
 
 class Node:
     __slots__ = ("id", "kind", "parent", "children", "ids", "path_len", "logprobs", "finish",
-                 "versions", "routed", "routed_start", "reply", "bridge", "key", "prompt_children",
+                 "versions", "routed", "routed_start", "routed_complete", "reply", "bridge", "key", "prompt_children",
                  "inflight", "meta", "n_messages")
 
     def __init__(self, kind: str, parent: "Node | None", ids: np.ndarray):
@@ -48,6 +48,7 @@ class Node:
         self.versions: list[tuple[str, int, int]] = []   # (version, start, end) over self.ids
         self.routed: np.ndarray | None = None           # rows for path positions routed_start...
         self.routed_start = 0
+        self.routed_complete = False                    # routing of the whole path [0, routed_end) is stored
         self.reply: ChatMessage | None = None
         self.bridge = ""
         self.key = b""

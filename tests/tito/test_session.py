@@ -186,6 +186,12 @@ def test_routed_experts_are_stitched_from_each_turns_new_positions(session, tiny
     n = len(sample["tokens"])
     assert sample["routed_experts"].shape == (n - 1, 2, 2)
     assert np.array_equal(sample["routed_experts"][:, 0, 0], np.arange(n - 1))
+    # a later turn that asks after one that did not gets the whole path, not a hole
+    s3 = Session("s6", QWEN, tiny_tokenizer)
+    m3 = [{"role": "user", "content": "a"}]
+    _, n3, r3 = turn(s3, m3, "x")
+    plan3 = s3.prepare(parse_openai_messages(m3 + [r3, {"role": "user", "content": "b"}]), None, want_routed_experts=True)
+    assert plan3.routed_experts_start == 0
     # a turn that did not ask leaves a hole: no routing, and the reason
     s2 = Session("s4", QWEN, tiny_tokenizer)
     turn(s2, [{"role": "user", "content": "a"}], "x")
