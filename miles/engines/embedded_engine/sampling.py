@@ -65,7 +65,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOut:
     """Sample one token per row of fp32 `logits` [B, V]."""
     B, V = logits.shape
     dev = logits.device
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    # log_softmax(x)[t] = x[t] - logsumexp(x): one reduction instead of a [B, V] write.
+    lse = torch.logsumexp(logits, dim=-1)
     proc = logits
     if sb.banned or sb.biases:
         proc = logits.clone()
@@ -78,34 +79,39 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOut:
             proc[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
     temps = np.asarray(sb.temperatures, dtype=np.float32)
     greedy = (temps <= 0.0) | (np.asarray(sb.top_ks) == 1)
-    tokens = torch.argmax(proc, dim=-1)  # greedy for every row; sampled rows overwrite below
     sampled = np.nonzero(~greedy)[0]
+    tokens = torch.argmax(proc, dim=-1) if greedy.any() else None
     if len(sampled):
         u = torch.from_numpy(splitmix_uniform(np.asarray(sb.seeds, dtype=np.int64)[sampled],
                                               np.asarray(sb.steps, dtype=np.int64)[sampled]))
         u = u.to(device=dev, dtype=torch.float32)
-        rows = torch.from_numpy(sampled).to(dev)
-        t = torch.from_numpy(temps[sampled]).to(dev)[:, None]
-        scaled = proc[rows] / t
+        every_row = len(sampled) == B
+        rows = None if every_row else torch.from_numpy(sampled).to(dev)
+        scaled = proc if every_row else proc[rows]
+        if not (temps[sampled] == 1.0).all():
+            scaled = scaled / torch.from_numpy(temps[sampled]).to(dev)[:, None]
         top_ps = np.asarray(sb.top_ps, dtype=np.float32)[sampled]
         top_ks = np.minimum(np.asarray(sb.top_ks, dtype=np.int64)[sampled], V)
         min_ps = np.asarray(sb.min_ps, dtype=np.float32)[sampled]
         truncating = (top_ps < 1.0) | (top_ks < V) | (min_ps > 0.0)
-        picked = torch.empty(len(sampled), dtype=torch.long, device=dev)
-        plain = np.nonzero(~truncating)[0]
-        if len(plain):
-            idx = torch.from_numpy(plain).to(dev)
-            picked[idx] = _inverse_cdf(torch.softmax(scaled[idx], dim=-1), u[idx])
-        trunc = np.nonzero(truncating)[0]
-        if len(trunc):
+        if not truncating.any():
+            picked = _inverse_cdf(torch.softmax(scaled, dim=-1), u)
+        else:
+            picked = torch.empty(len(sampled), dtype=torch.long, device=dev)
+            plain = np.nonzero(~truncating)[0]
+            if len(plain):
+                idx = torch.from_numpy(plain).to(dev)
+                picked[idx] = _inverse_cdf(torch.softmax(scaled[idx], dim=-1), u[idx])
+            trunc = np.nonzero(truncating)[0]
             idx = torch.from_numpy(trunc).to(dev)
-            picked[idx] = _sample_truncated(scaled[idx], u[idx], top_ps[trunc], top_ks[trunc], min_ps[trunc])
-        tokens = tokens.index_copy(0, rows, picked)
-    logprobs = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+            picked[idx] = _sample_truncated(scaled[idx], u[idx], top_ps[trunc], top_ks[trunc],
+                                            min_ps[trunc])
+        tokens = picked if every_row else tokens.index_copy(0, rows, picked)
+    logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse
     out = SampleOut(tokens=tokens, logprobs=logprobs)
     if sb.top_logprobs_num > 0:
-        k = min(sb.top_logprobs_num, V)
-        out.top_logprobs, out.top_ids = torch.topk(raw_logprobs, k, dim=-1)
+        top_logits, out.top_ids = torch.topk(logits, min(sb.top_logprobs_num, V), dim=-1)
+        out.top_logprobs = top_logits - lse[:, None]
     return out
 
 
@@ -113,12 +119,11 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # fp32 cumsum: rounding only moves the boundary between two adjacent tokens by ~1e-7 of mass,
     # and the result is still a deterministic function of (logits, seed, step).
     cdf = torch.cumsum(probs.float(), dim=-1)
-    target = (u.float() * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
-    # target can round up to the total: never step past the last token that has probability.
-    V = probs.shape[-1]
-    last_positive = V - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.uint8), dim=-1)
-    return torch.minimum(idx, last_positive)
+    total = cdf[:, -1]
+    # Keep the target strictly below the total: then the first cdf entry above it is a step up,
+    # i.e. a token with positive probability (never one past the end, never a masked one).
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
 
 
 def _sample_truncated(scaled: torch.Tensor, u: torch.Tensor, top_ps, top_ks, min_ps) -> torch.Tensor:
