@@ -109,7 +109,9 @@ class FSDPBackend(TrainingBackend):
 
     def _build(self, path: str, *, trainable: bool) -> PackedPolicy:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # one bar per rank per load is noise in rank logs
         cfg = self.cfg
         master = torch.float32 if (trainable and cfg.master_weights_fp32) else self.compute_dtype
         attn = attention.ATTN_IMPLEMENTATION if cfg.attention == "packed" else cfg.attention
@@ -160,7 +162,7 @@ class FSDPBackend(TrainingBackend):
             sums: dict[str, torch.Tensor] = {}
             for mb in step_mbs:
                 logp, ent = self.policy.run(mb.inputs)
-                n = len(mb.sample_indices)
+                # a dummy micro-batch is one sample with no trained token: any positive denominator
                 den = torch.tensor([denominators[i] for i in mb.sample_indices] or [1.0],
                                    dtype=torch.float64, device=self.device)
                 if cfg.old_logprobs == "rollout" and not mb.is_dummy:
@@ -168,7 +170,7 @@ class FSDPBackend(TrainingBackend):
                 else:
                     old_mb = old[k] if old is not None else None
                 loss, metrics = compute_policy_loss(
-                    logp, loss_mask=mb.loss_mask, sample_denominators=den[: max(n, 1)],
+                    logp, loss_mask=mb.loss_mask, sample_denominators=den,
                     cfg=self.loss_cfg, cu_seqlens=mb.response_cu_seqlens, advantages=advantages[k],
                     old_logprobs=old_mb, ref_logprobs=ref[k] if ref is not None else None,
                     rollout_logprobs=mb.rollout_logprobs,
@@ -367,6 +369,8 @@ def _fingerprint(samples: Sequence[Sample]) -> list[int]:
     total = 0
     for s in samples:
         crc = zlib.crc32(np.ascontiguousarray(s.tokens).tobytes(), crc)
-        crc = zlib.crc32(int(s.response_length).to_bytes(8, "little"), crc)
+        crc = zlib.crc32(f"{s.response_length}|{s.reward!r}|{s.group_id}|{s.rollout_id}".encode(), crc)
+        if s.loss_mask is not None:
+            crc = zlib.crc32(np.ascontiguousarray(s.loss_mask).tobytes(), crc)
         total += len(s.tokens)
     return [len(samples), total, crc]

@@ -27,6 +27,11 @@ def chunk_rows(vocab_size: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (3 * 4 * max(1, vocab_size)))
 
 
+def _scaled(logits: torch.Tensor, dtype: torch.dtype, inv_temperature: float) -> torch.Tensor:
+    z = logits.to(dtype)
+    return z * inv_temperature if inv_temperature != 1.0 else z
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float,
@@ -38,7 +43,7 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=work, device=logits.device)
         for s in range(0, n, rows_per_chunk):
             e = min(n, s + rows_per_chunk)
-            z = logits[s:e].to(work) * inv_temperature
+            z = _scaled(logits[s:e], work, inv_temperature)
             lse_c = torch.logsumexp(z, dim=-1)
             lse[s:e] = lse_c
             logprobs[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse_c
@@ -46,6 +51,7 @@ class _TokenLogprobs(torch.autograd.Function):
             # H = sum p * (-log p): non-negative terms, no cancellation (lse - sum p z has it)
             entropy[s:e] = (torch.exp(-neg_log_p) * neg_log_p).sum(dim=-1)
         ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.set_materialize_grads(False)  # an unused output (usually entropy) arrives as None
         ctx.inv_temperature = inv_temperature
         ctx.rows_per_chunk = rows_per_chunk
         return logprobs.float(), entropy.float()
@@ -55,13 +61,13 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         inv_t, rows = ctx.inv_temperature, ctx.rows_per_chunk
         work = torch.promote_types(logits.dtype, torch.float32)
-        use_ent = grad_entropy is not None and bool(grad_entropy.ne(0).any())
+        use_ent = grad_entropy is not None
         g_lp = grad_logprobs.to(work) if grad_logprobs is not None else torch.zeros_like(lse)
         g_ent = grad_entropy.to(work) if use_ent else None
         grad = logits  # overwritten chunk by chunk: the logits are not needed afterwards
         for s in range(0, logits.shape[0], rows):
             e = min(logits.shape[0], s + rows)
-            z = logits[s:e].to(work) * inv_t
+            z = _scaled(logits[s:e], work, inv_t)
             log_p = z - lse[s:e, None]
             p = torch.exp(log_p)
             coeff = g_lp[s:e, None].expand_as(p)
@@ -70,7 +76,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 coeff = coeff + g_ent[s:e, None] * (log_p + entropy[s:e, None])
             g = -p * coeff
             g.scatter_add_(1, targets[s:e, None], g_lp[s:e, None])
-            grad[s:e] = (g * inv_t).to(grad.dtype)
+            grad[s:e] = (g * inv_t if inv_t != 1.0 else g).to(grad.dtype)
         return grad, None, None, None
 
 

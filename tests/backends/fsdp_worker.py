@@ -1,6 +1,6 @@
 """One trainer rank of the 2-process FSDP tests (launched by backend_helpers.run_ranks).
 
-    python fsdp_worker.py suite:<arch> <out.json>
+    python fsdp_worker.py suite:<arch> <out.json>            (or suite+options:<arch>)
 
 Runs every multi-rank check on one tiny model in one process pair (process start-up dominates the
 cost on CPU), asserting as it goes; writes the figures the pytest side checks again to <out.json>.
@@ -112,7 +112,7 @@ def same_losses(a, b):
 
 
 def local_checksum(backend):
-    return float(sum(p.to_local().double().sum() for p in backend.policy.parameters()))
+    return float(sum(p.detach().to_local().double().sum() for p in backend.policy.parameters()))
 
 
 def expect_refusal(backend, samples, *needles):
@@ -127,7 +127,7 @@ def expect_refusal(backend, samples, *needles):
     raise AssertionError(f"batch was not refused (expected {needles})")
 
 
-def suite(arch: str, out: Path) -> None:
+def suite(arch: str, out: Path, with_options: bool = False) -> None:
     rank = RankInfo.from_env()
     path = str(build_tiny_model(arch=arch))
     tmp = out.parent  # the test's own temporary directory, shared by both ranks
@@ -161,7 +161,9 @@ def suite(arch: str, out: Path) -> None:
     bad[7].tokens, bad[7].response_length = bad[7].tokens[:5], 0
     bad[7].loss_mask = bad[7].rollout_logprobs = None
     result["error_empty"] = expect_refusal(backend, bad, "sample 7", "empty response")
-    result["error_ranks"] = expect_refusal(backend, samples[: 6 + rank.rank], "differs between trainer ranks")
+    if rank.world_size > 1:
+        result["error_ranks"] = expect_refusal(backend, samples[: 6 + rank.rank],
+                                               "differs between trainer ranks")
 
     # 3. SFT training: the loss goes down; the full state dict gathers.
     sft = LossConfig(loss_type="sft", loss_reduction="token")
@@ -248,8 +250,64 @@ def suite(arch: str, out: Path) -> None:
         result["update_names"] = sorted(transport.tensors)
     else:
         assert transport.calls == []
+    if with_options:
+        result["options"] = options(arch)
     dist.barrier()
     out.write_text(json.dumps(result))
+
+
+def options(arch: str) -> dict:
+    """Objective and execution options: ref model + KL loss, entropy, TIS, several optimizer steps per
+    batch, REINFORCE++ with KL shaping on a batch smaller than the world, rollout log-probs as the
+    old policy, gradient checkpointing, bf16 parameters without an fp32 master."""
+    rank = RankInfo.from_env()
+    path = str(build_tiny_model(arch=arch))
+    result: dict = {}
+    samples = make_samples(groups=2, per_group=4, seed=7)
+
+    kl_cfg = LossConfig(kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True)
+    backend = make_backend("fsdp")
+    backend.init(TrainConfig(model_path=path, param_dtype="float32", lr=1e-3, steps_per_train=2,
+                             max_tokens_per_microbatch=64), rank, kl_cfg)
+    assert backend.ref is not None
+    first, second = backend.train(samples), backend.train(samples)
+    assert first["optimizer_steps"] == 2 and backend.step == 4
+    assert "kl_loss" in first and "tis" in first and second["kl_loss"] > first["kl_loss"] >= 0
+    result["kl"] = [first["kl"], second["kl"]]
+
+    rfpp = LossConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.05)
+    backend = make_backend("fsdp")
+    backend.init(TrainConfig(model_path=path, param_dtype="float32", lr=1e-3), rank, rfpp)
+    one_group = make_samples(groups=1, per_group=3, seed=8)  # rank 1 runs only dummy micro-batches
+    metrics = backend.train(one_group)
+    assert np.isfinite(metrics["loss"]) and metrics["samples"] == 3
+    result["rfpp_microbatches"] = metrics["microbatches"]
+
+    backend = make_backend("fsdp")
+    backend.init(TrainConfig(model_path=path, param_dtype="float32", old_logprobs="rollout"), rank,
+                 LossConfig())
+    metrics = backend.train(samples)
+    assert metrics["pg_clipfrac"] > 0  # random rollout log-probs are far from the policy
+    result["rollout_old_clipfrac"] = metrics["pg_clipfrac"]
+
+    norms = []
+    for checkpointing in (False, True):
+        backend = make_backend("fsdp")
+        backend.init(TrainConfig(model_path=path, param_dtype="float32", lr=1e-3,
+                                 gradient_checkpointing=checkpointing), rank, LossConfig())
+        m = backend.train(samples)
+        norms.append((m["loss"], m["grad_norm"]))
+    assert abs(norms[0][1] - norms[1][1]) <= 1e-6 * norms[0][1], norms
+    result["checkpointing_grad_norms"] = norms
+
+    backend = make_backend("fsdp")
+    backend.init(TrainConfig(model_path=path, param_dtype="bfloat16", master_weights_fp32=False,
+                             lr=1e-3), rank, LossConfig(loss_type="sft", loss_reduction="token"))
+    assert all(p.dtype == torch.bfloat16 for p in backend.policy.parameters())
+    losses = [backend.train(samples)["loss"] for _ in range(3)]
+    assert losses[2] < losses[0], losses
+    result["bf16_losses"] = losses
+    return result
 
 
 if __name__ == "__main__":
@@ -257,6 +315,8 @@ if __name__ == "__main__":
     kind, _, arg = scenario.partition(":")
     if kind == "suite":
         suite(arg, out_path)
+    elif kind == "suite+options":  # one process pair for both: start-up dominates on CPU
+        suite(arg, out_path, with_options=True)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     dist.destroy_process_group()
