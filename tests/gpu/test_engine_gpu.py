@@ -78,11 +78,11 @@ def test_cuda_graph_decode_equals_eager(dtype, n):
         slots = r.kv.alloc(n)
         eager, _ = r.decode(ids, pos, rows, slots, False, force_eager=True)
         graph, _ = r.decode(ids, pos, rows, slots, False)  # rewrites the same K/V
-        if n in (8,):
-            assert torch.equal(eager, graph), (step, (eager - graph).abs().max().item())
-        else:
-            tol = 1e-4 if dtype == "float32" else 0.1
-            assert (eager - graph).abs().max().item() <= tol
+        # Same kernels on the same inputs: expect equality; allow only rounding-level differences
+        # (cuBLAS may pick another algorithm under capture, or for the padded shape when n=5).
+        tol = 1e-4 if dtype == "float32" else 0.1
+        assert (eager - graph).abs().max().item() <= tol, step
+        assert torch.equal(eager.argmax(-1), graph.argmax(-1)), step
         ids = graph.argmax(-1).tolist()
         pos = [p + 1 for p in pos]
     assert len(r.graphs.graphs) >= 2  # captured lazily per (batch, kv) bucket
