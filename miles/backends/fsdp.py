@@ -159,6 +159,7 @@ class FSDPBackend(TrainingBackend):
         for step_plan, step_mbs in zip(plan, mine):
             step_indices = sorted(i for rank_plan in step_plan for mb in rank_plan if mb for i in mb)
             denominators = self._denominators(batch, step_indices)
+            self.optimizer.zero_grad(set_to_none=True)  # nothing left over from a failed call
             sums: dict[str, torch.Tensor] = {}
             for mb in step_mbs:
                 logp, ent = self.policy.run(mb.inputs)

@@ -45,8 +45,11 @@ def to_hf_names(name: str, full: torch.Tensor) -> NamedTensors:
     return [(name, full)]
 
 
-def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+def _full_tensor(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    # Cast the local shard first: gathering bf16 moves half the bytes of gathering fp32 masters.
     data = param.detach()
+    if dtype is not None:
+        data = data.to(dtype)
     if hasattr(data, "full_tensor"):  # DTensor (FSDP2 shard): all-gather across the mesh
         return data.full_tensor()
     return data
@@ -62,9 +65,7 @@ def iter_hf_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dty
     bucket: NamedTensors = []
     size = 0
     for name, param in model.named_parameters():
-        full = _full_tensor(param)
-        if dtype is not None:
-            full = full.to(dtype)
+        full = _full_tensor(param, dtype)
         if device is not None:
             full = full.to(device)
         for hf_name, tensor in to_hf_names(name, full):

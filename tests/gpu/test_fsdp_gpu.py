@@ -75,6 +75,7 @@ def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
             names += [n for n, _ in bucket]
             assert all(t.dtype == torch.bfloat16 and t.is_cuda for _, t in bucket)
         assert "model.layers.0.self_attn.q_proj.weight" in names
+        del bucket
 
         torch.cuda.synchronize()
         awake = torch.cuda.memory_allocated()
