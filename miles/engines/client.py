@@ -510,13 +510,20 @@ class EngineClient:
                                               group_name: str = "weight_update_group",
                                               weight_version: str | int | None = None,
                                               flush_cache: bool = True,
-                                              abort_all_requests: bool = False) -> dict:
-        """Tell the engine to receive these tensors; the trainer broadcasts them (src 0) meanwhile."""
+                                              abort_all_requests: bool = False,
+                                              load_format: str | None = None) -> dict:
+        """Tell the engine to receive these tensors; the trainer broadcasts them (src 0) meanwhile.
+
+        `load_format="flattened_bucket"`: the trainer broadcasts ONE flat tensor (all of one dtype,
+        the tensors back to back in `names` order) instead of one broadcast per tensor.
+        """
         body = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
                 "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
         return await self._post("/update_weights_from_distributed", body, retry=False,
                                 timeout_s=self.weight_update_timeout_s)
 
@@ -536,6 +543,17 @@ class EngineClient:
         # SGLang defaults abort_all_requests to True; Miles never wants that implicitly.
         return await self._post("/update_weight_version", {"new_version": str(new_version),
                                                            "abort_all_requests": abort_all_requests})
+
+    async def update_weights_from_delta(self, phase: Literal["prepare", "apply", "discard"],
+                                        path: str = "", *, weight_version: str | int | None = None,
+                                        timeout_s: float | None = None) -> dict:
+        """Embedded-engine extension (disk-delta updates): `prepare` decodes and verifies the delta
+        at `path` while generation continues; `apply` swaps it in; `discard` drops it."""
+        body: dict[str, Any] = {"phase": phase, "path": str(path)}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._post("/update_weights_from_delta", body, retry=False,
+                                timeout_s=self.weight_update_timeout_s if timeout_s is None else timeout_s)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

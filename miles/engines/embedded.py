@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: do not read the checkpoint's weights (config.json only); they stay "
+                        "zero until a weight update (benchmarks of the update paths)")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
@@ -84,7 +87,7 @@ def build_server(args):
                        max_running_requests=args.max_running_requests,
                        max_total_tokens=args.max_total_tokens, context_length=args.context_length,
                        cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       mem_fraction_kv=args.mem_fraction_kv)
+                       mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format)
     runner = ModelRunner(args.model_path, cfg)
     tokenizer = None
     if not args.skip_tokenizer_init:

@@ -7,17 +7,38 @@ the engine session around it (pause -> begin -> buckets -> version -> continue).
 
 The methods are synchronous because they run on trainer ranks next to blocking torch code; a
 transport that must talk HTTP to engines while a collective is in flight uses its own thread.
+`send_bucket` does not raise when the link to the engines fails: the backend must keep iterating
+(gathering shards is collective on every trainer rank, and a rank that stops early hangs the
+others), so a transport drops the remaining buckets and raises the failure from `finish`.
+
+Optional, with defaults that keep the four-method contract whole (only the publisher calls them):
+- `pause_during_transfer = False` says the engines may keep generating while the buckets move
+  (disk-delta: they only read files later). The publisher then runs `prepare(version)` with the
+  engines serving, pauses, and runs `commit(version)`: the pause covers only the swap.
+- `checksum_dtype` / `sent_checksums` belong to the check-weights tap (miles/weights/checks.py).
+- `stats` counts what the last publish moved; `close()` releases links (a process group, threads).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass
+class TransferStats:
+    """What one publish moved, filled in by the transport on the sender rank."""
+    tensors: int = 0
+    bytes: int = 0          # tensor bytes handed to send_bucket (full size, export dtype)
+    buckets: int = 0        # buckets that went to the engines (after coalescing)
+    payload_bytes: int = 0  # bytes actually written/sent (a delta is smaller than `bytes`)
+
+
 class WeightTransport(ABC):
     is_sender: bool = True
+    pause_during_transfer: bool = True
 
     @abstractmethod
     def connect(self, engine_urls: list[str]) -> None:
@@ -34,3 +55,19 @@ class WeightTransport(ABC):
     @abstractmethod
     def finish(self, version: int) -> None:
         """Complete `version` on every engine (the engines then report it)."""
+
+    def prepare(self, version: int) -> None:
+        """(pause_during_transfer=False only) engines make `version` ready while serving."""
+
+    def commit(self, version: int) -> None:
+        """(pause_during_transfer=False only) engines swap `version` in; they are paused."""
+
+    def abandon(self, version: int) -> None:
+        """The publish of `version` failed: drop whatever was staged for it (best effort)."""
+
+    @property
+    def stats(self) -> TransferStats:
+        return getattr(self, "_stats", None) or TransferStats()
+
+    def close(self) -> None:
+        """Release the links made by `connect` (optional)."""

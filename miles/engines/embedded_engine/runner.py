@@ -43,6 +43,7 @@ class RunnerConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
     mem_fraction_kv: float = 0.5     # of free device memory after weights, when max_total_tokens is unset
+    load_format: str = "auto"        # "dummy": skip the checkpoint's weights (SGLang's flag)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -68,7 +69,7 @@ class ModelRunner:
         self.context_length = ctx
         self.model = Model(self.hf_config, self.device, self.dtype, max_positions=ctx)
         self.shape = self.model.shape
-        missing = load_safetensors_dir(self.model.weights, model_path)
+        missing = [] if cfg.load_format == "dummy" else load_safetensors_dir(self.model.weights, model_path)
         if missing:
             raise ValueError(f"model_path {model_path!r}: checkpoint lacks {len(missing)} tensors, "
                              f"e.g. {missing[:3]}")

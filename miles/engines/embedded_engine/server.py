@@ -3,8 +3,11 @@
 Design decisions:
 - Routes, bodies and response shapes are SGLang's (reference: integration.md section 1), so the
   client, smg and the TITO server cannot tell this engine from SGLang. Extensions are additive and
-  named as such: `/weights_checksum`, and extra keys in `/model_info` (`num_hidden_layers`,
-  `num_experts_per_tok`, ...) that let a client decode routed experts without reading config.json.
+  named as such: `/weights_checksum`, `/update_weights_from_delta` (disk-delta updates, delta.py),
+  `load_format: "miles_cuda_ipc"` on `/update_weights_from_tensor` (colocated CUDA IPC), a
+  pipelined `load_format: "flattened_bucket"` distributed update (weights.py), and extra keys in
+  `/model_info` (`num_hidden_layers`, `num_experts_per_tok`, ...) that let a client decode routed
+  experts without reading config.json.
 - Bad input gets a 400 `{"error": {"message", "type", "param", "code"}}` naming the field and value
   and nothing is queued; an exception inside a handler becomes a 500 with the same shape. The
   scheduler keeps running either way.
@@ -33,6 +36,7 @@ from miles.engines.embedded_engine import protocol as P
 from miles.engines.embedded_engine.protocol import BadRequest, decode_body
 from miles.engines.embedded_engine.scheduler import Request, Scheduler
 from miles.engines.embedded_engine import weights as W
+from miles.engines.embedded_engine.delta import DeltaUpdates
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,8 @@ class EngineServer:
                                    weight_version=args.weight_version,
                                    detokenize=self._detok if tokenizer is not None else None)
         self.groups = W.UpdateGroups(runner.device)
+        self.weights_serial = 0  # bumped by every weight change (a prepared delta checks it)
+        self.delta = DeltaUpdates(self)
 
     def _detok(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -104,6 +110,7 @@ class EngineServer:
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_get("/weights_checksum", self.weights_checksum)
+        r.add_post("/update_weights_from_delta", self.delta.handle)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         app.middlewares.append(_errors_middleware)
@@ -429,7 +436,10 @@ class EngineServer:
             await sch.abort(None, "Aborted for a weight update")
         try:
             async with sch.step_lock:
+                if fn is not self.groups.receive:  # a pipelined flat bucket must land first
+                    await sch.run_compute(self.groups.complete_pending, self.runner.model.weights)
                 await sch.run_compute(fn, *args)
+                self.weights_serial += 1
                 if weight_version is not None:
                     sch.weight_version = weight_version
                 if model_path is not None:
@@ -449,12 +459,16 @@ class EngineServer:
 
     async def update_weights_from_tensor(self, request) -> web.Response:
         b = decode_body(await request.read(), P.UpdateWeightsFromTensorReq, "update_weights_from_tensor")
-        if b.load_format not in (None, "safetensors", "direct"):
+        if b.load_format not in (None, "safetensors", "direct", W.CUDA_IPC_FORMAT):
             raise BadRequest(f"load_format: {b.load_format!r} is not supported by the embedded engine "
-                             "(base64 safetensors payloads only)", "load_format")
+                             f"(base64 safetensors payloads, or {W.CUDA_IPC_FORMAT!r})", "load_format")
         if len(b.serialized_named_tensors) != 1:
             raise BadRequest(f"serialized_named_tensors: {len(b.serialized_named_tensors)} entries; "
                              "this engine has tp_size 1, send exactly one", "serialized_named_tensors")
+        if b.load_format == W.CUDA_IPC_FORMAT:
+            return await self._update(W.apply_cuda_ipc_bucket, self.runner.model.weights,
+                                      b.serialized_named_tensors[0], weight_version=b.weight_version,
+                                      abort_all=b.abort_all_requests)
         try:
             named = list(W.decode_tensor_payload(b.serialized_named_tensors[0],
                                                  "serialized_named_tensors[0]").items())
@@ -484,14 +498,19 @@ class EngineServer:
         b = decode_body(await request.read(), P.UpdateWeightsFromDistributedReq,
                         "update_weights_from_distributed")
         return await self._update(self.groups.receive, self.runner.model.weights, b.group_name,
-                                  b.names, b.dtypes, b.shapes, weight_version=b.weight_version,
-                                  abort_all=b.abort_all_requests)
+                                  b.names, b.dtypes, b.shapes, b.load_format,
+                                  weight_version=b.weight_version, abort_all=b.abort_all_requests)
 
     async def update_weight_version(self, request) -> web.Response:
         b = decode_body(await request.read(), P.UpdateWeightVersionReq, "update_weight_version")
         if b.abort_all_requests:
             await self.scheduler.abort(None, "Aborted for a weight version update")
         async with self.scheduler.step_lock:
+            try:  # the barrier after a pipelined distributed update: its last bucket lands here
+                await self.scheduler.run_compute(self.groups.complete_pending, self.runner.model.weights)
+            except (ValueError, KeyError, RuntimeError) as e:
+                return _json({"success": False, "message": f"Failed to complete the weight update: "
+                              f"{e}", "new_version": self.scheduler.weight_version}, 400)
             self.scheduler.weight_version = b.new_version
         return _json({"success": True, "message": f"Weight version updated to {b.new_version}",
                       "new_version": b.new_version})
@@ -512,6 +531,7 @@ class EngineServer:
         names = [n for n in request.query.get("names", "").split(",") if n]
         try:
             async with self.scheduler.step_lock:
+                await self.scheduler.run_compute(self.groups.complete_pending, self.runner.model.weights)
                 sums = await self.scheduler.run_compute(W.checksums, self.runner.model.weights, names)
         except KeyError as e:
             raise BadRequest(e.args[0], "names") from None

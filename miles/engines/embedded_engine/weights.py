@@ -15,6 +15,11 @@ Design decisions:
   can be the same helper on either engine: trainer rank 0 is the group's rank 0 and the store
   master; the engine joins as `rank_offset` (+ its TP rank, always 0 here). Then the trainer
   broadcasts each listed tensor from rank 0, in order.
+- `load_format: "flattened_bucket"` (SGLang's name and layout: one broadcast of all the listed
+  tensors back to back, one dtype) receives into one flat buffer and copies out on the device.
+  It is pipelined: the call posts its receive, completes the *previous* flat bucket, and answers;
+  so the trainer's next call and this bucket's copy overlap the transfer. Anything else that
+  touches the weights or the version first completes the pending bucket (`complete_pending`).
 - Checksums are sha256 of each tensor's raw bytes, contiguous, in the engine's dtype, keyed by
   checkpoint name; `tensor_sha256` in client.py computes the same on the trainer side.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 from datetime import timedelta
 from pathlib import Path
 
@@ -106,6 +112,34 @@ def apply_named_tensors(weights: Weights, named: list[tuple[str, torch.Tensor]])
     _sync(weights)
 
 
+CUDA_IPC_FORMAT = "miles_cuda_ipc"
+
+
+def apply_cuda_ipc_bucket(weights: Weights, payload: str) -> None:
+    """`/update_weights_from_tensor` with load_format "miles_cuda_ipc": one flat bucket shared by a
+    colocated trainer through a CUDA IPC handle (fields as JSON, never pickle;
+    miles/weights/cuda_ipc.py). Copied device to device, then the mapping is dropped."""
+    from miles.weights import cuda_ipc
+    if weights.device.type != "cuda":
+        raise ValueError(f"load_format: {CUDA_IPC_FORMAT!r} needs an engine on CUDA (CUDA IPC shares "
+                         f"GPU memory); this engine runs on {weights.device.type}")
+    bucket = cuda_ipc.decode_bucket(payload)
+    check_names_shapes(weights, [(n, tuple(s)) for n, s in zip(bucket.names, bucket.shapes)])
+    flat = cuda_ipc.open_tensor(bucket.flat)
+    numel = sum(math.prod(s) for s in bucket.shapes)
+    if flat.dim() != 1 or flat.numel() != numel:
+        raise ValueError(f"serialized_named_tensors[0]: the shared tensor has shape {list(flat.shape)}, "
+                         f"the shapes add up to {numel} elements")
+    offset = 0
+    with torch.no_grad():
+        for name, shape in zip(bucket.names, bucket.shapes):
+            n = math.prod(shape)
+            weights.copy_in(name, flat[offset:offset + n].view(shape))
+            offset += n
+    _sync(weights)
+    del flat  # releases the producer's ref counter, so the trainer may free the bucket
+
+
 def _sync(weights: Weights) -> None:
     if weights.device.type == "cuda":
         torch.cuda.synchronize(weights.device)
@@ -128,10 +162,18 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     return pg
 
 
+class _PendingBucket:
+    """A flat bucket whose receive is posted but not yet copied into the weights."""
+
+    def __init__(self, work, flat: torch.Tensor, items: list[tuple[str, list[int]]]):
+        self.work, self.flat, self.items = work, flat, items
+
+
 class UpdateGroups:
     def __init__(self, device: torch.device):
         self.device = device
         self.groups: dict[str, object] = {}
+        self.pending: dict[str, _PendingBucket] = {}
 
     def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str) -> None:
@@ -142,11 +184,14 @@ class UpdateGroups:
                              "use 'gloo'")
         if not 0 < rank_offset < world_size:
             raise ValueError(f"rank_offset: {rank_offset} must be in [1, world_size={world_size})")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per-thread; NCCL binds the group to it
         host = f"[{master_address}]" if ":" in master_address else master_address
         self.groups[group_name] = init_custom_process_group(
             backend, f"tcp://{host}:{master_port}", world_size, rank_offset, group_name)
 
     def destroy(self, group_name: str) -> None:
+        self.pending.pop(group_name, None)  # never waited for: its sender may be gone
         pg = self.groups.pop(group_name, None)
         if pg is None:
             raise ValueError(f"group_name: {group_name!r} is not an open weight update group")
@@ -157,7 +202,7 @@ class UpdateGroups:
             pass
 
     def receive(self, weights: Weights, group_name: str, names: list[str], dtypes: list[str],
-                shapes: list[list[int]]) -> None:
+                shapes: list[list[int]], load_format: str | None = None) -> None:
         """Receive the trainer's broadcasts (always all of them), then validate and apply."""
         import torch.distributed as dist
         pg = self.groups.get(group_name)
@@ -169,12 +214,60 @@ class UpdateGroups:
                              f"{len(shapes)})")
         backend = dist.get_backend(pg)
         recv_device = self.device if backend == "nccl" else torch.device("cpu")
+        if load_format == "flattened_bucket":
+            return self._receive_flat(weights, pg, group_name, names, dtypes, shapes, recv_device)
+        if load_format not in (None, "auto"):
+            raise ValueError(f"load_format: {load_format!r} is not supported for distributed updates "
+                             "(None or 'flattened_bucket')")
+        self.complete_pending(weights)
         received = []
         for name, dt, shape in zip(names, dtypes, shapes):
             t = torch.empty(shape, dtype=parse_dtype(dt), device=recv_device)
             dist.broadcast(t, src=0, group=pg)
             received.append((name, t))
         apply_named_tensors(weights, received)
+
+
+    def _receive_flat(self, weights: Weights, pg, group_name: str, names: list[str],
+                      dtypes: list[str], shapes: list[list[int]], recv_device: torch.device) -> None:
+        import torch.distributed as dist
+        kinds = {parse_dtype(d) for d in dtypes}
+        if len(kinds) != 1:
+            # The sender's flat tensor has no defined layout then; nothing sensible to receive.
+            raise ValueError(f"dtypes: a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
+        numel = sum(math.prod(s) for s in shapes)
+        flat = torch.empty(numel, dtype=kinds.pop(), device=recv_device)
+        try:
+            check_names_shapes(weights, [(n, tuple(s)) for n, s in zip(names, shapes)])
+            bad = None
+        except (KeyError, ValueError) as e:
+            bad = e
+        work = dist.broadcast(flat, src=0, group=pg, async_op=True)
+        previous = self.pending.pop(group_name, None)
+        if bad is None:
+            self.pending[group_name] = _PendingBucket(work, flat, list(zip(names, shapes)))
+        if previous is not None:
+            self._apply_flat(weights, previous)
+        if bad is not None:
+            work.wait()  # drained, so both sides stay in step; then refused
+            raise bad
+
+    def complete_pending(self, weights: Weights) -> None:
+        """Copy in every posted flat bucket (before anything else reads or writes the weights)."""
+        for name in list(self.pending):
+            self._apply_flat(weights, self.pending.pop(name))
+
+    def _apply_flat(self, weights: Weights, p: _PendingBucket) -> None:
+        p.work.wait()  # CPU: blocks until received; NCCL: the current stream waits for it
+        offset = 0
+        with torch.no_grad():
+            for name, shape in p.items:
+                n = math.prod(shape)
+                weights.copy_in(name, p.flat[offset:offset + n].view(shape))
+                offset += n
+        if weights.device.type == "cuda":
+            # Only this stream: the next bucket, still arriving on NCCL's stream, is not waited for.
+            torch.cuda.current_stream(weights.device).synchronize()
 
 
 # ---- checksums ------------------------------------------------------------------------------

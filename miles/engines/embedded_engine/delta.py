@@ -1,0 +1,152 @@
+"""`POST /update_weights_from_delta`: disk-delta weight updates (a Miles extension, not SGLang).
+
+    {"phase": "prepare", "path": DIR, "weight_version": "5"}   decode + verify while serving
+    {"phase": "apply", "weight_version": "5"}                  swap the prepared weights in
+    {"phase": "discard"}                                       drop what was prepared
+
+Answers `{"success", "message", ...}` like SGLang's update endpoints; 400 with the reason when a
+phase is refused. The delta format is miles/weights/delta_format.py.
+
+Design decisions:
+- Two phases so the pause covers only the swap: `prepare` reads the manifest, decompresses each
+  tensor, XORs it with the engine's current bytes and checks the new tensor's sha256, all on a
+  worker thread while the scheduler keeps generating; the result waits in host memory. `apply`
+  takes the step lock and copies the staged tensors in (one device copy per weight).
+- Nothing is changed until every tensor of the delta has been verified: a corrupted, truncated or
+  mismatched delta is refused in `prepare` and the engine keeps serving the version it has.
+- A delta names its base version; `prepare` refuses one whose base is not the version this
+  engine serves (and each XOR entry also checks the base bytes' sha256). `apply` refuses if any
+  other update changed the weights after `prepare` (the server's `weights_serial`).
+- Staging costs one copy of the model in host memory for as long as the delta is prepared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import torch
+
+from miles.engines.embedded_engine.protocol import BadRequest, decode_body
+
+log = logging.getLogger(__name__)
+
+
+class DeltaReq(msgspec.Struct):
+    phase: Literal["prepare", "apply", "discard"]
+    path: str = ""
+    weight_version: str | None = None
+
+
+@dataclass
+class _Staged:
+    version: int
+    path: str
+    serial: int
+    tensors: list[tuple[str, torch.Tensor]]
+
+
+def _json(data, status: int = 200):
+    from aiohttp import web
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
+def _fail(message: str):
+    return _json({"success": False, "message": message}, 400)
+
+
+class DeltaUpdates:
+    def __init__(self, server):
+        self.server = server
+        self.staged: _Staged | None = None
+        self._preparing = asyncio.Lock()
+
+    async def handle(self, request):
+        b = decode_body(await request.read(), DeltaReq, "update_weights_from_delta")
+        if b.phase == "prepare":
+            return await self.prepare(b)
+        if b.phase == "apply":
+            return await self.apply(b)
+        self.staged = None
+        return _json({"success": True, "message": "Discarded the prepared delta."})
+
+    async def prepare(self, b: DeltaReq):
+        from miles.weights.delta_format import DeltaError
+        if not b.path:
+            raise BadRequest("path: required for phase 'prepare'", "path")
+        srv = self.server
+        async with self._preparing:
+            self.staged = None
+            serial, current = srv.weights_serial, srv.scheduler.weight_version
+            t0 = time.perf_counter()
+            try:
+                version, tensors = await asyncio.to_thread(self._decode, b.path, current)
+            except (DeltaError, KeyError, ValueError, OSError) as e:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                log.warning("delta %s refused: %s", b.path, msg)
+                return _fail(f"Failed to prepare the delta: {msg}")
+            if b.weight_version is not None and b.weight_version != str(version):
+                return _fail(f"weight_version: {b.weight_version!r} but the delta at {b.path!r} is "
+                             f"version {version}")
+            if srv.weights_serial != serial:
+                return _fail("Failed to prepare the delta: the weights changed while it was being "
+                             "prepared (another update ran); prepare again")
+            self.staged = _Staged(version, b.path, serial, tensors)
+        return _json({"success": True, "prepared_version": str(version), "num_tensors": len(tensors),
+                      "message": f"Prepared delta v{version} ({len(tensors)} tensors) in "
+                                 f"{time.perf_counter() - t0:.2f} s"})
+
+    def _decode(self, path: str, current_version: str):
+        from miles.weights.delta_format import DeltaError, decode_entry, read_manifest
+        weights = self.server.runner.model.weights
+        manifest = read_manifest(path)
+        if manifest.base_version is not None and str(manifest.base_version) != current_version:
+            raise DeltaError(f"delta {path!r} (v{manifest.version}) applies to version "
+                             f"{manifest.base_version}; this engine serves version {current_version!r}")
+        engine_dtype = str(weights.dtype).removeprefix("torch.")
+        out = []
+        for entry in manifest.entries:
+            dst = weights.lookup(entry.name)  # KeyError names the weight
+            if list(dst.shape) != list(entry.shape) or entry.dtype != engine_dtype:
+                raise DeltaError(f"delta {path!r} tensor {entry.name!r}: {entry.dtype} {entry.shape}, "
+                                 f"this engine holds {engine_dtype} {list(dst.shape)}")
+            current = None
+            if entry.kind == "xor":
+                current = dst.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            new = decode_entry(path, manifest, entry, current)
+            out.append((entry.name, torch.from_numpy(new).view(dst.dtype).reshape(dst.shape)))
+        return manifest.version, out
+
+    async def apply(self, b: DeltaReq):
+        srv, staged = self.server, self.staged
+        if staged is None:
+            return _fail("Failed to apply the delta: nothing is prepared (phase 'prepare' first)")
+        if b.weight_version is not None and b.weight_version != str(staged.version):
+            return _fail(f"weight_version: {b.weight_version!r} but the prepared delta is version "
+                         f"{staged.version}")
+        sch = srv.scheduler
+        weights = srv.runner.model.weights
+        async with sch.step_lock:
+            await sch.run_compute(srv.groups.complete_pending, weights)
+            if srv.weights_serial != staged.serial:
+                self.staged = None
+                return _fail("Failed to apply the delta: the weights changed since it was prepared "
+                             "(another update ran); prepare again")
+
+            def swap():
+                with torch.no_grad():
+                    for name, t in staged.tensors:
+                        weights.copy_in(name, t)
+                if weights.device.type == "cuda":
+                    torch.cuda.synchronize(weights.device)
+
+            await sch.run_compute(swap)
+            srv.weights_serial += 1
+            sch.weight_version = b.weight_version or str(staged.version)
+            self.staged = None
+        return _json({"success": True, "message": f"Applied delta v{staged.version}.",
+                      "num_paused_requests": len(sch.running) + len(sch.waiting)})

@@ -1,0 +1,200 @@
+"""Flat buckets and the send pipeline shared by the nccl and colocated transports.
+
+Design decisions:
+- The backend yields buckets of its own size; the transport re-buckets to `bucket_bytes`
+  (coalescing small ones), so the recipe's `weights.bucket_bytes` decides what goes on the wire.
+- A bucket travels as ONE flat tensor of one dtype: the tensors concatenated in name order,
+  element-contiguous, exactly SGLang's `FlattenedTensorBucket` layout (`load_format:
+  "flattened_bucket"`), so an engine receives it with one broadcast into one buffer and the
+  per-tensor work is a device copy, never a network round trip. A dtype change closes a bucket.
+- The gather (the caller's thread, collective across trainer ranks) runs ahead of the wire: it
+  hands finished buckets to a sender thread through a queue of `queue_depth` buckets, so the next
+  bucket is gathered and flattened while the current one is broadcast. Memory on the trainer is
+  bounded by about (queue_depth + 2) buckets.
+- On CUDA each bucket records an event once flattened; the sender's stream waits for that event,
+  not for everything queued on the default stream, so a later gather never delays a broadcast.
+- The sender's first failure is kept and raised from the caller's next `put` or from `drain`:
+  the caller stops gathering instead of feeding a dead link.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class FlatBucket:
+    names: list[str]
+    shapes: list[list[int]]
+    dtype: torch.dtype
+    flat: torch.Tensor                 # 1-D, `dtype`, the tensors back to back
+    ready: Any = None                  # torch.cuda.Event recorded after flattening (CUDA only)
+    index: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def views(self) -> NamedTensors:
+        """(name, tensor) views into `flat` (what a receiver rebuilds)."""
+        out, offset = [], 0
+        for name, shape in zip(self.names, self.shapes):
+            n = 1
+            for d in shape:
+                n *= d
+            out.append((name, self.flat[offset:offset + n].view(shape)))
+            offset += n
+        return out
+
+
+def flatten(named: NamedTensors, device: torch.device | None = None, index: int = 0) -> FlatBucket:
+    """One flat tensor of `named` (all of one dtype), on `device` (default: where they are)."""
+    dtypes = {t.dtype for _, t in named}
+    if len(dtypes) != 1:
+        raise ValueError(f"flatten: a bucket must hold one dtype, got {sorted(map(str, dtypes))}")
+    parts = [t.detach().reshape(-1) for _, t in named]
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if device is not None and flat.device != device:
+        flat = flat.to(device)
+    ready = None
+    if flat.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(flat.device))
+    return FlatBucket([n for n, _ in named], [list(t.shape) for _, t in named], flat.dtype, flat,
+                      ready, index)
+
+
+class Coalescer:
+    """Collects (name, tensor) pairs into flat buckets of about `bucket_bytes`, one dtype each."""
+
+    def __init__(self, bucket_bytes: int, emit: Callable[[FlatBucket], None],
+                 device: torch.device | None = None):
+        self.bucket_bytes, self.emit, self.device = bucket_bytes, emit, device
+        self._open: NamedTensors = []
+        self._open_bytes = 0
+        self.buckets = 0
+
+    def add(self, named: NamedTensors) -> None:
+        for name, t in named:
+            nbytes = t.numel() * t.element_size()
+            if self._open and (self._open_bytes + nbytes > self.bucket_bytes
+                               or t.dtype != self._open[0][1].dtype):
+                self.flush()
+            self._open.append((name, t))
+            self._open_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self._open:
+            return
+        bucket = flatten(self._open, self.device, self.buckets)
+        self._open, self._open_bytes = [], 0
+        self.buckets += 1
+        self.emit(bucket)
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class SendPipeline:
+    """A sender thread fed through a bounded queue.
+
+    `send(bucket)` runs on the sender thread and returns a completion callable (or None): the
+    pipeline calls it before letting go of the bucket, one bucket later, so the transfer of
+    bucket k overlaps the hand-shake of bucket k+1.
+    """
+
+    send: Callable[[FlatBucket], Callable[[], None] | None]
+    depth: int
+    timeout_s: float
+    name: str = "weights-send"
+    _queue: queue.Queue = field(init=False)
+    _error: BaseException | None = field(default=None, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._queue = queue.Queue(maxsize=self.depth)
+        self._done = threading.Event()
+        self._aborted = False
+
+    def start(self) -> None:
+        self._error = None
+        self._done.clear()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pending: Callable[[], None] | None = None
+        try:
+            while True:
+                item = self._queue.get()
+                if isinstance(item, _Stop) or self._aborted:
+                    break
+                complete = self.send(item)
+                if pending is not None:
+                    pending()
+                pending = complete
+            if pending is not None and not self._aborted:
+                pending()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self._error = e
+            while True:  # unblock a caller waiting on a full queue
+                try:
+                    if isinstance(self._queue.get_nowait(), _Stop):
+                        break
+                except queue.Empty:
+                    break
+        finally:
+            self._done.set()
+
+    def put(self, bucket: FlatBucket) -> None:
+        self.raise_error()
+        try:
+            self._queue.put(bucket, timeout=self.timeout_s)
+        except queue.Full:
+            self.raise_error()
+            raise TimeoutError(f"{self.name}: the sender took no bucket for {self.timeout_s} s "
+                               "(weights.bucket_timeout_s); the link to the engines is stuck") from None
+
+    def drain(self) -> None:
+        """Wait until every bucket is sent and complete; raise the sender's error if any."""
+        if self._thread is None:
+            return
+        if not self._done.is_set():
+            try:
+                self._queue.put(_Stop(), timeout=self.timeout_s)
+            except queue.Full:
+                self.raise_error()
+                raise TimeoutError(f"{self.name}: the sender is stuck (no progress in "
+                                   f"{self.timeout_s} s)") from None
+        if not self._done.wait(self.timeout_s * max(1, self.depth + 1)):
+            raise TimeoutError(f"{self.name}: the last buckets did not complete within "
+                               f"{self.timeout_s * (self.depth + 1)} s")
+        self._thread = None
+        self.raise_error()
+
+    def abort(self) -> None:
+        """Stop the sender after its current bucket (after a failure elsewhere)."""
+        self._aborted = True
+        try:
+            self._queue.put_nowait(_Stop())
+        except queue.Full:
+            pass  # the sender is busy; it sees `_aborted` at its next bucket
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error

@@ -1,0 +1,124 @@
+"""`transport = "colocated"`: the trainer and its engine share a GPU; buckets go by CUDA IPC.
+
+Design decisions:
+- Each bucket is flattened into one fresh device tensor and shared through a CUDA IPC handle
+  (miles/weights/cuda_ipc.py: the handle's fields as JSON, never pickle) in
+  `/update_weights_from_tensor` with `load_format: "miles_cuda_ipc"`; the engine maps that memory
+  and copies device to device. The weights never touch host memory.
+- Every trainer rank that shares its GPU with an engine is a sender (FSDP gathers full tensors on
+  every rank), and sends to its own engine only: with one engine per trainer rank,
+  `engine_urls[rank]`. The publisher on rank 0 still pauses, versions and resumes all engines.
+- The engine answers once it has copied the bucket, so the trainer keeps the bucket's memory
+  exactly that long; the next bucket is gathered and flattened meanwhile (the send pipeline).
+- There is no CUDA IPC on CPU: `connect` says so and names the transports that work there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline
+from miles.weights.config import WeightsConfig
+from miles.weights.cuda_ipc import FORMAT, encode_bucket
+from miles.weights.engine_calls import EngineCalls
+
+
+class ColocatedTransport(WeightTransport):
+    def __init__(self, config: WeightsConfig, *, rank: int = 0, world_size: int = 1):
+        self.cfg = config
+        self.rank, self.world_size = rank, world_size
+        self.is_sender = True
+        self.engine_url = ""
+        self._calls: EngineCalls | None = None
+        self._stats = TransferStats()
+        self._pipeline: SendPipeline | None = None
+        self._coalescer: Coalescer | None = None
+        self._error: BaseException | None = None
+        self._version = -1
+
+    def connect(self, engine_urls: list[str]) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("weights.transport='colocated' shares GPU memory through CUDA IPC, and "
+                               "this process has no CUDA; on CPU use transport='nccl' (it runs on "
+                               "gloo there), 'disk' or 'disk_delta'")
+        if len(engine_urls) == self.world_size:
+            self.engine_url = engine_urls[self.rank]
+        elif len(engine_urls) == 1 and self.world_size == 1:
+            self.engine_url = engine_urls[0]
+        else:
+            raise ValueError(f"connect: transport='colocated' needs one engine per trainer rank "
+                             f"(rank r sends to engine_urls[r]); got {len(engine_urls)} engine(s) for "
+                             f"{self.world_size} trainer rank(s)")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._calls = EngineCalls([self.engine_url], timeout_s=self.cfg.bucket_timeout_s,
+                                  name="weights-ipc")
+        info = self._calls.call_all("model_info", what="model_info")[0]
+        if info.get("device") and not str(info["device"]).startswith("cuda"):
+            raise RuntimeError(f"transport='colocated': engine {self.engine_url} runs on "
+                               f"{info['device']}, not on a GPU")
+
+    def begin(self, version: int) -> None:
+        if self._calls is None:
+            raise RuntimeError("begin: the colocated transport is not connected; call connect(engine_urls)")
+        self._version, self._error = version, None
+        self._stats = TransferStats()
+        self._pipeline = SendPipeline(self._send, depth=self.cfg.queue_depth,
+                                      timeout_s=self.cfg.bucket_timeout_s, name="weights-ipc-send")
+        self._pipeline.start()
+        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device)
+
+    def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self._coalescer is None:
+            raise RuntimeError("send_bucket before begin")
+        self._stats.tensors += len(named_tensors)
+        self._stats.bytes += sum(t.numel() * t.element_size() for _, t in named_tensors)
+        if self._error is not None:
+            return  # keep the backend iterating (collective gather); finish() reports
+        try:
+            self._coalescer.add(named_tensors)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def finish(self, version: int) -> None:
+        if self._coalescer is None or self._pipeline is None:
+            raise RuntimeError("finish before begin")
+        try:
+            if self._error is None:
+                self._coalescer.flush()
+                self._pipeline.drain()
+                self._stats.buckets = self._coalescer.buckets
+                self._stats.payload_bytes = self._stats.bytes
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        finally:
+            self._coalescer = None
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self, version: int) -> None:
+        if self._coalescer is not None:
+            self._fail(RuntimeError(f"version {version} abandoned by the publisher"))
+            self._coalescer = None
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        if self._pipeline is not None:
+            self._pipeline.abort()
+
+    def _send(self, bucket: FlatBucket):
+        if bucket.ready is not None:
+            bucket.ready.synchronize()  # the flatten is done before the engine reads the memory
+        payload = encode_bucket(bucket.flat, bucket.names, bucket.shapes)
+        fut = self._calls.submit(0, "update_weights_from_tensor", [payload], load_format=FORMAT,
+                                 timeout_s=self.cfg.bucket_timeout_s)
+        self._calls.wait([fut], f"version {self._version} bucket {bucket.index} ({len(bucket.names)} "
+                                f"tensors, first {bucket.names[0]!r})", self.cfg.bucket_timeout_s)
+        bucket.flat = None  # the engine has copied it
+        return None
+
+    def close(self) -> None:
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None

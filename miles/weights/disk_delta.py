@@ -1,0 +1,175 @@
+"""`transport = "disk_delta"`: publish only the bytes that changed since the engines' version.
+
+Flow of one publish (the publisher drives it; engines keep generating until the swap):
+
+    run_update   trainer writes <disk_dir>/delta-v000007/ (XOR vs the previous version, compressed,
+                 per-tensor sha256)                                      engines serving
+    prepare      every engine decodes + verifies the delta into host memory   engines serving
+    commit       every engine swaps the verified tensors in                   engines PAUSED
+
+Design decisions:
+- The trainer keeps the bytes of the version the engines hold (in the engines' dtype, in host
+  memory) and XORs the new bytes against them; the first publish, or the first after a failure
+  that may have left engines on different versions, is written raw (it applies to any weights).
+  Host memory: two copies of the model while a publish is in flight (base + new).
+- The base only moves forward when every engine has committed: a refused or failed `prepare`
+  leaves every engine on the old version, so the next delta is again against it.
+- Deltas are in the engines' dtype (read from `/model_info` at connect), because the engine XORs
+  against its own bytes; all engines must agree on it. This needs the embedded engine's
+  `/update_weights_from_delta` (SGLang has no such endpoint).
+- Compression runs on `delta_threads` threads (zlib/lzma/zstd release the GIL), chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.config import WeightsConfig
+from miles.weights.delta_format import DeltaWriter, encode_chunks, sha256
+from miles.weights.disk import prune, version_dir
+from miles.weights.engine_calls import EngineCalls, EngineCallError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A private uint8 copy of `t` in `dtype` (never aliasing a live parameter)."""
+    host = t.detach().to(dtype=dtype).contiguous().cpu().reshape(-1)
+    return host.view(torch.uint8).numpy().copy()
+
+
+class DiskDeltaTransport(WeightTransport):
+    pause_during_transfer = False
+
+    def __init__(self, config: WeightsConfig, *, is_sender: bool = True):
+        self.cfg = config
+        self.is_sender = is_sender
+        self.root = Path(config.disk_dir)
+        self._calls: EngineCalls | None = None
+        self._stats = TransferStats()
+        self._base: dict[str, np.ndarray] = {}
+        self._base_sha: dict[str, str] = {}
+        self._base_version: int | None = None
+        self._writer: DeltaWriter | None = None
+        self._error: BaseException | None = None
+        self.engine_dtype = torch.float32
+
+    def connect(self, engine_urls: list[str]) -> None:
+        if not self.is_sender:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._calls = EngineCalls(engine_urls, timeout_s=self.cfg.connect_timeout_s, name="weights-delta")
+        infos = self._calls.call_all("model_info", what="model_info", timeout_s=self.cfg.connect_timeout_s)
+        dtypes = {str(i.get("dtype")) for i in infos}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+            raise ValueError(f"transport='disk_delta' needs engines that report one dtype in /model_info "
+                             f"(the embedded engine does); got {sorted(dtypes)} from {engine_urls}")
+        self.engine_dtype = _DTYPES[dtypes.pop()]
+
+    # ---- trainer side: write the delta -------------------------------------------------------
+
+    def begin(self, version: int) -> None:
+        if self._calls is None:
+            raise RuntimeError("begin: the disk_delta transport is not connected; call connect(engine_urls)")
+        self._stats, self._error = TransferStats(), None
+        base_version = self._base_version if self._base else None
+        self._dir = version_dir(self.root, version, prefix="delta-v")
+        self._writer = DeltaWriter(self._dir, version=version, base_version=base_version,
+                                   codec=self.cfg.delta_codec)
+        self._pool = ThreadPoolExecutor(self.cfg.delta_threads, thread_name_prefix="weights-delta")
+        self._next: dict[str, np.ndarray] = {}
+        self._next_sha: dict[str, str] = {}
+
+    def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self._writer is None:
+            raise RuntimeError("send_bucket before begin")
+        self._stats.tensors += len(named_tensors)
+        self._stats.bytes += sum(t.numel() * self.engine_dtype.itemsize for _, t in named_tensors)
+        if self._error is not None:
+            return  # keep the backend iterating (collective gather); finish() reports
+        try:
+            items = []
+            dtype_name = str(self.engine_dtype).removeprefix("torch.")
+            for name, t in named_tensors:
+                new = tensor_bytes(t, self.engine_dtype)
+                base = self._base.get(name) if self._writer.base_version is not None else None
+                kind, chunks = encode_chunks(new, base, codec=self.cfg.delta_codec,
+                                             level=self.cfg.delta_level,
+                                             chunk_bytes=self.cfg.delta_chunk_bytes, pool=self._pool)
+                digest = sha256(new)
+                items.append((name, dtype_name, list(t.shape), kind, chunks, digest,
+                              self._base_sha.get(name) if kind == "xor" else None))
+                self._next[name], self._next_sha[name] = new, digest
+            self._writer.write_bucket(items)
+            self._stats.buckets += 1
+        except Exception as e:  # noqa: BLE001
+            self._error = e
+
+    def finish(self, version: int) -> None:
+        if self._writer is None:
+            raise RuntimeError("finish before begin")
+        writer, self._writer = self._writer, None
+        self._pool.shutdown(wait=True)
+        if self._error is not None:
+            writer.abort()
+            raise self._error
+        manifest = writer.close()
+        self._stats.payload_bytes = manifest.payload_bytes
+        self.last_manifest = manifest
+        prune(self.root, "delta-v", self.cfg.keep_versions)
+        log.info("delta v%d: %.1f MiB of %.1f MiB (%.2f%%), base %s", version,
+                 manifest.payload_bytes / 2**20, manifest.full_bytes / 2**20,
+                 100 * manifest.payload_bytes / max(manifest.full_bytes, 1), manifest.base_version)
+
+    # ---- engine side: prepare while serving, swap while paused --------------------------------
+
+    def prepare(self, version: int) -> None:
+        try:
+            self._calls.call_all("update_weights_from_delta", "prepare", str(self._dir),
+                                 weight_version=str(version), timeout_s=self.cfg.prepare_timeout_s,
+                                 what=f"version {version}: prepare delta {self._dir}")
+        except EngineCallError:
+            self._discard()
+            raise
+
+    def commit(self, version: int) -> None:
+        try:
+            self._calls.call_all("update_weights_from_delta", "apply", weight_version=str(version),
+                                 timeout_s=self.cfg.commit_timeout_s,
+                                 what=f"version {version}: apply delta")
+        except EngineCallError:
+            # Some engines may have swapped, some not: the next publish is written raw.
+            self._base, self._base_sha, self._base_version = {}, {}, None
+            self._discard()
+            raise
+        self._base, self._base_sha, self._base_version = self._next, self._next_sha, version
+        self._next, self._next_sha = {}, {}
+
+    def abandon(self, version: int) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        self._next, self._next_sha = {}, {}
+        if self._calls is not None:
+            self._discard()
+
+    def _discard(self) -> None:
+        for fut in self._calls.submit_all("update_weights_from_delta", "discard",
+                                          timeout_s=self.cfg.control_timeout_s):
+            try:
+                fut.result(self.cfg.control_timeout_s)
+            except Exception:  # noqa: BLE001 - best effort: a prepared delta only costs memory
+                pass
+
+    def close(self) -> None:
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None

@@ -1,0 +1,217 @@
+"""`transport = "nccl"`: trainer rank 0 broadcasts flat buckets to every engine in one group.
+
+Design decisions:
+- One weight-update group: trainer rank 0 is rank 0 (and hosts the store), engine i joins through
+  its `/init_weights_update_group` at rank_offset 1 + (ranks of the engines before it), its TP
+  ranks after that (SGLang adds the TP rank). NCCL on GPUs, gloo on CPU (`group_backend`); the
+  code path is the same, which is what the CPU tests exercise.
+- Per bucket, rank 0 posts `/update_weights_from_distributed` (names, dtypes, shapes,
+  `load_format: "flattened_bucket"`) to every engine AND broadcasts the flat bucket, concurrently:
+  the engine's receive waits for the broadcast. SGLang answers once the bucket is loaded; the
+  embedded engine answers as soon as its receive is posted and the previous bucket is copied in,
+  so the HTTP hand-shake of bucket k+1 and the copy of bucket k hide behind the transfer of bucket
+  k+1. The next call is never posted before the previous one is answered, so every engine sees
+  the buckets in order.
+- `finish` drains the sender and then calls `/update_weight_version` on every engine: that call
+  is the barrier after which every engine holds the whole version (on the embedded engine it
+  completes the last pipelined bucket; on SGLang it is a no-op barrier), and it reports failures.
+- After any failure the group is torn down (a broadcast that nobody receives would otherwise sit
+  in the NCCL watchdog for `group_timeout_s`), and the next `begin` builds a fresh one; engines
+  drop the old group first (`/destroy_weights_update_group`, best effort).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline
+from miles.weights.config import WeightsConfig
+from miles.weights.engine_calls import EngineCalls
+from miles.weights.process_group import create_group_with_engines, destroy_group, free_port
+
+log = logging.getLogger(__name__)
+
+
+def resolve_group_backend(choice: str) -> str:
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if choice == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("weights.group_backend='nccl' but this trainer process has no CUDA; "
+                           "use 'gloo' (or 'auto')")
+    return choice
+
+
+class NcclTransport(WeightTransport):
+    def __init__(self, config: WeightsConfig, *, is_sender: bool = True):
+        self.cfg = config
+        self.is_sender = is_sender
+        self.engine_urls: list[str] = []
+        self.backend = ""
+        self._pg = None
+        self._calls: EngineCalls | None = None
+        self._broken = False
+        self._stats = TransferStats()
+        self._pipeline: SendPipeline | None = None
+        self._coalescer: Coalescer | None = None
+        self._stream = None
+        self._version = -1
+        self._error: BaseException | None = None
+
+    # ---- the group ---------------------------------------------------------------------------
+
+    def connect(self, engine_urls: list[str]) -> None:
+        if not self.is_sender:
+            return
+        if not engine_urls:
+            raise ValueError("connect: engine_urls is empty; the nccl transport needs at least one engine")
+        self.engine_urls = list(engine_urls)
+        self.backend = resolve_group_backend(self.cfg.group_backend)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
+        if self._calls is None:
+            self._calls = EngineCalls(self.engine_urls, timeout_s=self.cfg.connect_timeout_s,
+                                      name="weights-nccl")
+        self._join()
+
+    def _join(self) -> None:
+        cfg, calls = self.cfg, self._calls
+        t0 = time.perf_counter()
+        infos = calls.call_all("server_info", what="server_info (before joining the weight-update "
+                               "group)", timeout_s=cfg.connect_timeout_s)
+        ranks = [max(1, int(info.get("tp_size", 1) or 1)) for info in infos]
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        world_size = 1 + sum(ranks)
+        # A previous trainer may have left a group of this name on the engines: drop it first.
+        for fut in calls.submit_all("destroy_weights_update_group", cfg.group_name,
+                                    timeout_s=cfg.control_timeout_s):
+            try:
+                fut.result(cfg.control_timeout_s)
+            except Exception:  # noqa: BLE001 - usually "is not an open group", which is fine
+                pass
+        port = cfg.master_port or free_port(cfg.master_address)
+        joins = [calls.submit(i, "init_weights_update_group", cfg.master_address, port, offsets[i],
+                              world_size, group_name=cfg.group_name, backend=self.backend,
+                              timeout_s=cfg.connect_timeout_s) for i in range(len(self.engine_urls))]
+        self._pg = create_group_with_engines(
+            backend=self.backend, master_address=cfg.master_address, master_port=port,
+            world_size=world_size, group_name=cfg.group_name, timeout_s=cfg.connect_timeout_s,
+            engine_joins=joins, engine_urls=self.engine_urls)
+        self._broken = False
+        if self.backend == "nccl":
+            self._stream = torch.cuda.Stream(self.device)
+        log.info("weight-update group %r: %s, %d engine rank(s), joined in %.2f s", cfg.group_name,
+                 self.backend, world_size - 1, time.perf_counter() - t0)
+
+    def _teardown(self) -> None:
+        if self._pg is not None:
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+                _abort_process_group(self._pg)
+            except Exception:  # noqa: BLE001 - older torch, or already gone
+                destroy_group(self._pg)
+        self._pg = None
+        self._broken = True
+
+    # ---- a version ---------------------------------------------------------------------------
+
+    def begin(self, version: int) -> None:
+        if self._calls is None:
+            raise RuntimeError("begin: the nccl transport is not connected; call connect(engine_urls)")
+        if self._broken:
+            log.warning("rebuilding the weight-update group after a failed publish")
+            self._join()
+        self._version = version
+        self._error: BaseException | None = None
+        self._stats = TransferStats()
+        self._pipeline = SendPipeline(self._send, depth=self.cfg.queue_depth,
+                                      timeout_s=self.cfg.bucket_timeout_s, name="weights-nccl-send")
+        self._pipeline.start()
+        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device)
+
+    def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self._coalescer is None:
+            raise RuntimeError("send_bucket before begin")
+        self._stats.tensors += len(named_tensors)
+        self._stats.bytes += sum(t.numel() * t.element_size() for _, t in named_tensors)
+        if self._error is not None:
+            return  # keep the backend iterating: the gather is collective on every trainer rank
+        try:
+            self._coalescer.add(named_tensors)
+        except Exception as e:  # noqa: BLE001 - reported by finish()
+            self._fail(e)
+
+    def finish(self, version: int) -> None:
+        if self._coalescer is None or self._pipeline is None:
+            raise RuntimeError("finish before begin")
+        try:
+            if self._error is None:
+                self._coalescer.flush()
+                self._pipeline.drain()
+                self._stats.buckets = self._coalescer.buckets
+                self._stats.payload_bytes = self._stats.bytes
+                # The barrier: every engine completes its last bucket before it answers.
+                self._calls.call_all("update_weight_version", str(version),
+                                     what=f"version {version}: final barrier",
+                                     timeout_s=self.cfg.bucket_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        finally:
+            self._coalescer = None
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self, version: int) -> None:
+        if self._coalescer is not None:
+            self._fail(RuntimeError(f"version {version} abandoned by the publisher"))
+            self._coalescer = None
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        if self._pipeline is not None:
+            self._pipeline.abort()
+        self._teardown()
+
+    # ---- the sender thread -------------------------------------------------------------------
+
+    def _send(self, bucket: FlatBucket):
+        cfg, pg = self.cfg, self._pg
+        what = (f"version {self._version} bucket {bucket.index} ({len(bucket.names)} tensors, "
+                f"{bucket.nbytes / 2**20:.1f} MiB, first {bucket.names[0]!r})")
+        futures = self._calls.submit_all(
+            "update_weights_from_distributed", bucket.names, [bucket.dtype_name] * len(bucket.names),
+            bucket.shapes, group_name=cfg.group_name, load_format="flattened_bucket",
+            timeout_s=cfg.bucket_timeout_s)
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(bucket.ready)
+                work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
+        else:
+            work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
+        self._calls.wait(futures, what, cfg.bucket_timeout_s)
+        stream = self._stream
+
+        def complete() -> None:
+            # Runs one bucket later: bucket k+1 is already queued behind this one on the wire.
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    work.wait()
+                stream.synchronize()
+            else:
+                work.wait()
+            bucket.flat = None  # the buffer may go back to the allocator now
+
+        return complete
+
+    def close(self) -> None:
+        if self._pg is not None:
+            destroy_group(self._pg)
+            self._pg = None
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None

@@ -1,0 +1,269 @@
+"""WeightPublisher: the engine session around a weight transport, on trainer rank 0.
+
+    report = await publisher.publish(version, run_update)
+
+    pause (in_place | retract) -> run_update (begin, buckets, finish) -> update_weight_version
+    -> continue_generation [-> check_weights]
+
+For a transport whose engines keep serving during the transfer (disk_delta):
+
+    run_update -> prepare (engines decode + verify, still serving) -> pause -> commit (swap)
+    -> update_weight_version -> continue_generation [-> check_weights]
+
+Design decisions:
+- Plain async Python, not an actor: the Trainer actor on rank 0 owns one and awaits `publish`.
+  `run_update` is a callable that runs `backend.update_weights(transport, version)` on this rank
+  (the other trainer ranks run theirs at the same time, the gather is collective); it is blocking
+  torch code, so it runs in a worker thread and the event loop keeps serving heartbeats.
+- Every step has its own timeout (WeightsConfig). A thread cannot be killed: when `run_update`
+  overruns, the publisher abandons the version (the transport tears its link down, which also
+  unblocks the thread) and reports it.
+- Engines are always resumed, whatever failed (every engine gets `/continue_generation`, also one
+  whose pause timed out, since it may have paused late); then the failure is raised as one
+  `WeightPublishError` that names the version, the step, the transport and the cause, and says
+  what the engines now hold.
+- The version is set on every engine with `/update_weight_version` after the transfer, so
+  requests that crossed the update report both versions in their `weight_versions` spans.
+- `check_weights` compares every engine parameter's sha256 (`/weights_checksum`) with what the
+  trainer sent (checks.py) after the engines are resumed, and raises on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from miles.engines.client import EngineClient, EngineError
+from miles.weights.base import WeightTransport
+from miles.weights.checks import DTYPES, WeightsMismatch, compare_checksums
+from miles.weights.config import WeightsConfig
+from miles.weights.factory import make_transport  # noqa: F401 - the public entry point lives here too
+
+log = logging.getLogger(__name__)
+
+
+class WeightPublishError(RuntimeError):
+    """A publish failed; engines were resumed. `.step` is where it failed, `.version` what."""
+
+    def __init__(self, message: str, *, version: int, step: str):
+        super().__init__(message)
+        self.version, self.step = version, step
+
+
+class PublishReport(msgspec.Struct, kw_only=True):
+    version: int
+    transport: str
+    seconds: float          # the whole publish() call
+    paused_s: float         # engines paused (pause answered -> continue answered)
+    transfer_s: float       # run_update
+    prepare_s: float = 0.0  # disk_delta: engines decoding while they serve
+    check_s: float = 0.0
+    tensors: int = 0
+    bytes: int = 0          # full tensor bytes
+    payload_bytes: int = 0  # bytes that moved (a delta is smaller)
+    buckets: int = 0
+    checked: bool = False
+
+
+class WeightPublisher:
+    def __init__(self, config: WeightsConfig, engine_urls: list[str], transport: WeightTransport):
+        if not engine_urls:
+            raise ValueError("WeightPublisher: engine_urls is empty")
+        self.cfg = config
+        self.engine_urls = list(engine_urls)
+        self.transport = transport
+        self._clients: list[EngineClient] | None = None
+        self._lock = asyncio.Lock()
+        self.last_report: PublishReport | None = None
+
+    def clients(self) -> list[EngineClient]:
+        if self._clients is None:
+            cfg = self.cfg
+            longest = max(cfg.pause_timeout_s, cfg.control_timeout_s, cfg.check_timeout_s)
+            self._clients = [EngineClient(u, timeout_s=longest, weight_update_timeout_s=longest)
+                             for u in self.engine_urls]
+        return self._clients
+
+    async def connect(self) -> None:
+        """`transport.connect(engine_urls)` in a thread (if the caller has not done it already)."""
+        await self._in_thread(self.transport.connect, self.engine_urls,
+                              timeout_s=self.cfg.connect_timeout_s + 30.0, what="connect")
+
+    async def close(self) -> None:
+        for c in self._clients or []:
+            await c.close()
+        self._clients = None
+
+    # ---- publish -----------------------------------------------------------------------------
+
+    async def publish(self, version: int, run_update: Callable[[], Any]) -> PublishReport:
+        async with self._lock:
+            return await self._publish(version, run_update)
+
+    async def _publish(self, version: int, run_update: Callable[[], Any]) -> PublishReport:
+        cfg, tr = self.cfg, self.transport
+        t0 = time.perf_counter()
+        if cfg.check_weights:
+            await self._prepare_check(version)
+        step, failure = "pause", None
+        paused_at = resumed_at = None
+        transfer_s = prepare_s = 0.0
+        try:
+            if tr.pause_during_transfer:
+                paused_at = time.perf_counter()
+                await self._pause(version)
+                paused_at = time.perf_counter()
+            step = "transfer"
+            t = time.perf_counter()
+            await self._in_thread(run_update, timeout_s=cfg.transfer_timeout_s,
+                                  what=f"run_update (gather + send of version {version})")
+            transfer_s = time.perf_counter() - t
+            if not tr.pause_during_transfer:
+                step = "prepare"
+                t = time.perf_counter()
+                await self._in_thread(tr.prepare, version, timeout_s=cfg.prepare_timeout_s + 30.0,
+                                      what="prepare")
+                prepare_s = time.perf_counter() - t
+                step = "pause"
+                paused_at = time.perf_counter()
+                await self._pause(version)
+                paused_at = time.perf_counter()
+                step = "commit"
+                await self._in_thread(tr.commit, version, timeout_s=cfg.commit_timeout_s + 30.0,
+                                      what="commit")
+            step = "version"
+            await self._each("update_weight_version", version, timeout_s=cfg.control_timeout_s)
+        except BaseException as e:  # noqa: BLE001 - CancelledError too: engines must resume
+            failure = e
+            try:
+                await asyncio.wait_for(asyncio.to_thread(tr.abandon, version), cfg.control_timeout_s)
+            except BaseException as ae:  # noqa: BLE001
+                log.warning("abandoning version %d: %r", version, ae)
+        finally:
+            resume_error = None
+            if paused_at is not None:
+                resume_error = await self._resume()
+                resumed_at = time.perf_counter()
+        if failure is not None:
+            if isinstance(failure, asyncio.CancelledError):
+                raise failure
+            raise WeightPublishError(self._failure_message(version, step, failure, resume_error),
+                                     version=version, step=step) from failure
+        if resume_error:
+            raise WeightPublishError(f"publish of version {version}: the weights are in, but "
+                                     f"{resume_error}", version=version, step="continue")
+        check_s = 0.0
+        if cfg.check_weights:
+            t = time.perf_counter()
+            await self.check(version)
+            check_s = time.perf_counter() - t
+        stats = tr.stats
+        report = PublishReport(
+            version=version, transport=cfg.transport, seconds=time.perf_counter() - t0,
+            paused_s=(resumed_at - paused_at) if paused_at is not None and resumed_at else 0.0,
+            transfer_s=transfer_s, prepare_s=prepare_s, check_s=check_s, tensors=stats.tensors,
+            bytes=stats.bytes, payload_bytes=stats.payload_bytes, buckets=stats.buckets,
+            checked=cfg.check_weights)
+        self.last_report = report
+        log.info("published version %d via %s: %.1f MiB (%.1f MiB moved) in %.3f s, paused %.3f s",
+                 version, cfg.transport, report.bytes / 2**20, report.payload_bytes / 2**20,
+                 report.seconds, report.paused_s)
+        return report
+
+    def _failure_message(self, version: int, step: str, error: BaseException, resume_error) -> str:
+        cause = str(error) or type(error).__name__
+        if step in ("pause", "prepare"):
+            held = "their previous weights and version (nothing was changed)"
+        elif step == "version":
+            held = (f"the new weights, but not every engine reports version {version} (their "
+                    "weight_version is stale until the next publish)")
+        elif self.cfg.transport == "disk_delta":
+            held = "their previous weights and version (the delta was not swapped in everywhere)"
+        elif self.cfg.transport == "disk":
+            held = "their previous version (the checkpoint was not loaded everywhere)"
+        else:
+            held = ("their previous weight_version; their weights may be partially updated until "
+                    "the next publish overwrites them")
+        resumed = "Engines were resumed" if resume_error is None else f"Resuming failed too: {resume_error}"
+        return (f"publish of version {version} failed at step {step!r} (transport "
+                f"{self.cfg.transport!r}): {cause}. {resumed}; they hold {held}.")
+
+    # ---- engine calls ------------------------------------------------------------------------
+
+    async def _each(self, method: str, *args, timeout_s: float, **kwargs) -> list[Any]:
+        """Call every engine concurrently; raise naming the engines that failed."""
+        clients = self.clients()
+
+        async def one(c: EngineClient):
+            return await asyncio.wait_for(getattr(c, method)(*args, **kwargs), timeout_s)
+
+        results = await asyncio.gather(*(one(c) for c in clients), return_exceptions=True)
+        errors = [f"{c.base_url}: {_reason(r, timeout_s)}" for c, r in zip(clients, results)
+                  if isinstance(r, BaseException)]
+        errors += [f"{c.base_url}: {r.get('message')}" for c, r in zip(clients, results)
+                   if isinstance(r, dict) and r.get("success") is False]
+        if errors:
+            raise RuntimeError(f"/{method} failed on {len(errors)} of {len(clients)} engine(s): "
+                               + "; ".join(errors))
+        return results
+
+    async def _pause(self, version: int) -> None:
+        await self._each("pause_generation", self.cfg.pause_mode, timeout_s=self.cfg.pause_timeout_s)
+
+    async def _resume(self) -> str | None:
+        try:
+            await self._each("continue_generation", timeout_s=self.cfg.control_timeout_s)
+        except Exception as e:  # noqa: BLE001 - reported, never masks the first failure
+            log.error("resuming engines: %s", e)
+            return str(e)
+        return None
+
+    async def _in_thread(self, fn: Callable, *args, timeout_s: float, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} did not finish within {timeout_s} s") from None
+
+    # ---- check_weights -----------------------------------------------------------------------
+
+    async def _prepare_check(self, version: int) -> None:
+        tr = self.transport
+        if not hasattr(tr, "sent_checksums"):
+            raise ValueError("weights.check_weights=true needs a transport built by make_transport() "
+                             "(it records what is sent); got " + type(tr).__name__)
+        if getattr(tr, "checksum_dtype", None) is None:
+            infos = await self._each("model_info", timeout_s=self.cfg.control_timeout_s)
+            dtypes = {str(i.get("dtype")) for i in infos}
+            if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
+                raise ValueError(f"weights.check_weights=true needs engines that report their dtype "
+                                 f"in /model_info and serve /weights_checksum (the embedded engine); "
+                                 f"got dtypes {sorted(dtypes)}")
+            tr.checksum_dtype = DTYPES[dtypes.pop()]
+
+    async def check(self, version: int) -> None:
+        """Every engine's parameters equal what the trainer sent for `version`, or WeightsMismatch."""
+        sent = dict(self.transport.sent_checksums)
+        if not sent:
+            raise WeightsMismatch(f"check_weights: version {version}: the trainer sent nothing "
+                                  "(did run_update call the transport on this rank?)")
+        try:
+            sums = await self._each("weights_checksum", timeout_s=self.cfg.check_timeout_s)
+        except RuntimeError as e:
+            raise WeightsMismatch(f"check_weights: version {version}: could not read engine "
+                                  f"checksums ({e}); /weights_checksum is an embedded-engine "
+                                  "extension") from None
+        for url, engine in zip(self.engine_urls, sums):
+            compare_checksums(sent, engine, url=url, version=version)
+
+
+def _reason(e: BaseException, timeout_s: float) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return f"no answer within {timeout_s} s"
+    if isinstance(e, EngineError):
+        return e.message
+    return f"{type(e).__name__}: {e}"
