@@ -1,0 +1,1 @@
+"""Environment plug-in layers: agent functions, integrations."""
