@@ -273,11 +273,10 @@ class Model:
 
     # ---- building blocks -----------------------------------------------------------------
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
-        return w * h.to(dt)
+    def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        # HF: normalise in fp32, cast back, then scale by the weight in the activation dtype.
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps).to(x.dtype)
+        return h if w is None else w * h
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x [T, heads, d]; cos/sin [T, 1, d]
@@ -286,16 +285,19 @@ class Model:
         return x * cos + rot * sin
 
     def _qkv(self, L, h: torch.Tensor, positions: torch.Tensor):
+        # q and k heads are normalised and rotated together (one set of kernels, not two): the
+        # per-head math is identical, only the norm weights differ (applied on the two views).
         s = self.shape
         qkv = F.linear(h, L["qkv_w"], L.get("qkv_b"))
-        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        T, H, d = qkv.shape[0], s.num_heads, s.head_dim
+        qk = qkv[:, :s.q_size + s.kv_size].view(T, H + s.num_kv_heads, d)
+        v = qkv[:, s.q_size + s.kv_size:].view(T, s.num_kv_heads, d)
         if s.qk_norm:
-            q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+            qk = self._rms(qk, None)
+            qk[:, :H] *= L["q_norm"]
+            qk[:, H:] *= L["k_norm"]
+        qk = self._rope(qk, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return qk[:, :H], qk[:, H:], v
 
     def _mlp(self, i: int, L, h: torch.Tensor, routing_out: list | None) -> torch.Tensor:
         if "router_w" not in L:

@@ -213,7 +213,8 @@ class Scheduler:
             need = len(req.input_ids) + len(req.output_ids)
             if batch and tokens + need > self.max_prefill_tokens:
                 break
-            headroom = len(self.running) + len(batch) + 1
+            # one free slot for the next token of every request that will be decoding
+            headroom = len(self.running) + len(batch) + (req.max_new_tokens > len(req.output_ids))
             if kv.free_slots < need + headroom:
                 break
             self.waiting.popleft()
