@@ -1,0 +1,71 @@
+"""What the cloud backends (daytona, e2b/agentenv, modal) share: lazy SDK import, the in-sandbox
+timeout wrapper as a shell string, result mapping, and the labels every cloud sandbox carries.
+
+Design decisions:
+- SDKs are optional (`pip install 'miles[cloud]'`) and imported on first use, with an error
+  naming the package and the extra. Each backend also accepts `sdk=` (a module or an object with
+  the same attributes) so tests can hand it a patched SDK.
+- Every command is wrapped in `timeout -k 2 T /bin/sh -c CMD` inside the sandbox, even where the
+  SDK has its own timeout: E2B's is a client connection timeout that leaves the process running,
+  and uniform wrapping makes `timed_out` mean the same thing on every backend. The SDK timeout is
+  set a few seconds later, as the backstop.
+- Labels: `miles.sandbox=1` plus the spec's labels go into the provider's labels/metadata/tags,
+  and the provider's own TTL is set from `ttl_s` (E2B timeout, Daytona ttl_minutes, Modal timeout),
+  so a lost sandbox dies at the provider even if sweep never runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import shlex
+import time
+from typing import Any
+
+from miles.sandboxes.base import (BackendUnavailableError, ExecResult, timed_out_from,
+                                  timeout_argv)
+
+SANDBOX_LABEL = "miles.sandbox"
+BACKSTOP_GRACE_S = 10.0
+
+
+def require_sdk(module: str, backend: str, sdk: Any = None) -> Any:
+    if sdk is not None:
+        return sdk
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"backend {backend} needs the `{module}` package: pip install 'miles[cloud]' "
+            f"({exc})") from exc
+
+
+def remote_command(argv: list[str], timeout_s: float, kill_after_s: float) -> str:
+    return shlex.join(timeout_argv(timeout_s, argv, kill_after_s))
+
+
+def sdk_timeout_s(timeout_s: float, kill_after_s: float) -> int:
+    return int(math.ceil(timeout_s + kill_after_s + BACKSTOP_GRACE_S))
+
+
+def provider_labels(labels: dict[str, str]) -> dict[str, str]:
+    return {SANDBOX_LABEL: "1", **labels}
+
+
+def result(exit_code: int | None, stdout: str | bytes | None, stderr: str | bytes | None,
+           started: float, timeout_s: float, max_output_bytes: int,
+           timed_out: bool = False) -> ExecResult:
+    def text(value: str | bytes | None) -> tuple[str, bool]:
+        if value is None:
+            return "", False
+        if isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8", errors="replace")
+        return value[:max_output_bytes], len(value) > max_output_bytes
+
+    out, t1 = text(stdout)
+    err, t2 = text(stderr)
+    elapsed = time.monotonic() - started
+    code = 137 if exit_code is None else int(exit_code)
+    return ExecResult(code, out, err,
+                      timed_out=timed_out or timed_out_from(code, elapsed, timeout_s),
+                      duration_s=elapsed, truncated=t1 or t2)
