@@ -27,7 +27,6 @@ import asyncio
 import json
 import platform
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -88,16 +87,16 @@ def hf_run(model, batch, prompt_len, new_tokens, device) -> float:
 
 async def bench_engine(args, path, device) -> dict[int, float]:
     from miles.engines.embedded import build_server
-    from miles.engines.embedded_engine.server import EngineServer  # noqa: F401 (import check)
     max_bs = max(args.batches)
-    ns = SimpleNamespace(
-        model_path=str(path), tokenizer_path=None, skip_tokenizer_init=True, served_model_name=None,
-        device=str(device), dtype=args.dtype, max_running_requests=max_bs,
-        max_total_tokens=max_bs * (args.prompt_len + args.n_long) + 1024, max_prefill_tokens=16384,
-        context_length=args.prompt_len + args.n_long + 64, enable_return_routed_experts=False,
-        weight_version="default", random_seed=0, disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_max_bs=max_bs, mem_fraction_kv=0.5, torch_threads=torch.get_num_threads(),
-        tp_size=1, dp_size=1)
+    from miles.engines.embedded import build_parser
+    # The engine's own CLI parser, so every flag has its real default.
+    ns = build_parser().parse_args([
+        "--model-path", str(path), "--skip-tokenizer-init", "--device", str(device),
+        "--dtype", args.dtype, "--max-running-requests", str(max_bs),
+        "--max-total-tokens", str(max_bs * (args.prompt_len + args.n_long) + 1024),
+        "--context-length", str(args.prompt_len + args.n_long + 64), "--random-seed", "0",
+        "--cuda-graph-max-bs", str(max_bs), "--torch-threads", str(torch.get_num_threads()),
+        *(["--disable-cuda-graph"] if args.disable_cuda_graph else [])])
     server = build_server(ns)
     server.scheduler.start()
     out = {}

@@ -126,3 +126,19 @@ async def test_pool_pressure_retracts_and_still_finishes(tmp_path):
         await engine.stop_async(grace_s=2)
     assert all(r.output_ids == alone.output_ids for r in results)
     assert sum(r.num_retractions for r in results) > 0
+
+
+def test_bench_smoke_on_cpu():
+    """bench/engine.py runs on CPU and prints one JSON line per batch size."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "bench" / "engine.py"), "--device", "cpu", "--batches", "1,2",
+                          "--n-short", "2", "--n-long", "6", "--skip-hf"], capture_output=True,
+                         text=True, timeout=120, check=True, cwd=root).stdout
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["batch"] for x in lines] == [1, 2] and all(x["tok_per_s"] > 0 for x in lines)
+    assert {"bench", "model", "ms_per_step", "hf_generate_tok_per_s", "hbm_bound_tok_per_s",
+            "machine"} <= set(lines[0])
