@@ -145,9 +145,15 @@ class ModelRunner:
         kv_bucket = self.kv_bucket_of(max(positions))
         host = host.to(dev, non_blocking=True)
         self.kv.req_to_token[host[2], host[1]] = host[4]
+        hidden = None
         if self.graphs is not None and not force_eager and n <= self.graphs.max_bs:
-            hidden, routing = self.graphs.run(host, kv_bucket)
-        else:
+            try:
+                hidden, routing = self.graphs.run(host, kv_bucket)
+            except Exception:  # a capture that fails must not take generation down with it
+                log.exception("CUDA graph decode failed; decoding eagerly from now on")
+                self.graphs, self.use_graphs = None, False
+                torch.cuda.synchronize(self.device)
+        if hidden is None:
             inp = DecodeInputs(host[0], host[1], host[2], host[3], host[4])
             hidden, routing = self.model.decode(inp, kv_bucket, self.kv, self.kv.req_to_token,
                                                 capture_routing and self.shape.is_moe)
