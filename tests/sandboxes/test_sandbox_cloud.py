@@ -196,6 +196,38 @@ async def test_agentenv_is_e2b_with_its_own_url(engine):
     assert create["sandbox_url"] == "http://127.0.0.1:49983" and create["http_version"] == "1.1"
 
 
+async def test_agentenv_real_sdk_against_a_local_standin(engine):
+    """The real e2b SDK, unpatched, over HTTP to a stand-in of the E2B API and envd on 127.0.0.1
+    (api_url/sandbox_url overrides, HTTP/1.1): the AgentENV deployment shape."""
+    pytest.importorskip("e2b")
+    from e2b_standin import E2BStandIn
+    standin = E2BStandIn(engine)
+    url = await standin.start()
+    try:
+        backend = get_backend("agentenv", api_url=url, sandbox_url=url, request_timeout_s=20)
+        spec = SandboxSpec(image="tb2-task", workdir="/app", env={"A": "1"},
+                           labels={"miles.run": "r4"})
+        async with await backend.create(spec) as sb:
+            r = await sb.exec("echo $A $B; echo err >&2; exit 3", env={"B": "2"})
+            assert (r.exit_code, r.stdout, r.stderr) == (3, "1 2\n", "err\n")
+            assert (await sb.exec("sleep 5", timeout_s=0.5)).timed_out
+            await sb.upload("/app/f.txt", b"data")
+            assert await sb.download("f.txt") == b"data"
+            with pytest.raises(FileNotFoundError):
+                await sb.download("/nope")
+        assert sb.id not in standin.sandboxes  # destroyed through DELETE /sandboxes/{id}
+        await backend.create(spec)
+        assert await backend.sweep({"miles.run": "r4"}) == 1
+        results = await run_task_through(backend)
+        assert [(r.status, r.reward) for r in results] == [("ok", 1.0), ("ok", 0.0)]
+        assert {("POST", "/v2/sandboxes"), ("DELETE", "/sandboxes/" + sb.id),
+                ("POST", "/process.Process/Start"), ("POST", "/files"), ("GET", "/files"),
+                ("GET", "/v2/sandboxes")} <= set(standin.requests)
+        assert standin.unhandled == []
+    finally:
+        await standin.stop()
+
+
 # Daytona -----------------------------------------------------------------------------------------
 
 def fake_daytona(engine):
