@@ -200,7 +200,9 @@ class _DecodeGraphs:
                 self._body(b, kv_bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA work another thread may do meanwhile (a checksum, a delta being
+        # decoded) must not invalidate this capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._body(b, kv_bucket)
         self.pool = graph.pool()
         self.inputs.copy_(saved)

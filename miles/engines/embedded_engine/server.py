@@ -524,7 +524,9 @@ class EngineServer:
             t = self.runner.model.weights.lookup(b.name)
         except KeyError as e:
             raise BadRequest(e.args[0], "name") from None
-        return _json(t.detach().float().reshape(-1)[:b.truncate_size].cpu().tolist())
+        head = await self.scheduler.run_compute(
+            lambda: t.detach().float().reshape(-1)[:b.truncate_size].cpu().tolist())
+        return _json(head)
 
     async def weights_checksum(self, request) -> web.Response:
         """Extension: {"algorithm": "sha256", "dtype", "weight_version", "checksums": {name: hex}}."""
