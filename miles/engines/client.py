@@ -340,8 +340,9 @@ class EngineClient:
         raw = await self._request("POST", "/generate", body=body, headers=hdrs, retry=False,
                                   timeout_s=timeout_s if timeout_s is not None else self.generate_timeout_s)
         if isinstance(raw, list):
-            raise EngineError("/generate: got a batch answer for one prompt (sampling_params.n > 1? "
-                              "use generate_many)", url=self.base_url, path="/generate")
+            raise EngineError("/generate: got a list for one prompt (sampling_params.n > 1); call "
+                              "generate once per sample, with distinct sampling_seed values",
+                              url=self.base_url, path="/generate")
         layout = await self._layout() if return_routed_experts else None
         return self.parse_generate(raw, layout)
 

@@ -6,7 +6,8 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--device cpu|cuda] [--dtype float32|bfloat16] [--max-running-requests N] \
         [--max-total-tokens N] [--context-length N] [--enable-return-routed-experts] \
         [--weight-version default] [--served-model-name NAME] [--random-seed N] \
-        [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N]
+        [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
+        [--load-format auto|safetensors|dummy] [--mem-fraction-kv F] [--log-level info]
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
 registers it like an SGLang worker (`/server_info`, `/model_info`, `/v1/models`, `dp_size: 1`).
