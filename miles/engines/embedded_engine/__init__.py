@@ -1,0 +1,11 @@
+"""The embedded engine's parts (entry point and CLI: miles/engines/embedded.py).
+
+model.py      Qwen-family forward over HF weights (fused storage, checkpoint-name views)
+kv_cache.py   token-slot KV pool shared by all requests (SGLang's page size 1)
+runner.py     model + pool + decode step, eager or CUDA graph per (batch, kv) bucket
+sampling.py   batched per-request sampling, seeded, raw-distribution logprobs
+scheduler.py  continuous batching, retraction, pause modes, weight-version spans
+protocol.py   SGLang's request bodies and their validation
+server.py     the aiohttp routes (SGLang's native API + /weights_checksum)
+weights.py    weight updates (disk, tensor, torch.distributed) and checksums
+"""
