@@ -8,4 +8,5 @@ scheduler.py  continuous batching, retraction, pause modes, weight-version spans
 protocol.py   SGLang's request bodies and their validation
 server.py     the aiohttp routes (SGLang's native API + /weights_checksum)
 weights.py    weight updates (disk, tensor, torch.distributed) and checksums
+delta.py      disk-delta updates (engine side of miles/weights/disk_delta.py)
 """
