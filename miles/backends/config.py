@@ -67,6 +67,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # --- model execution ---
     attention: AttentionName = "packed"    # packed: per-sample kernels; sdpa/eager: HF with a mask
     gradient_checkpointing: bool = False
+    compile: bool = False                  # torch.compile each layer's norms and dense MLP (opt-in)
     seed: int = 1234
 
     # --- weights out ---

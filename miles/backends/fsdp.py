@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.algo import LossConfig, compute_advantages, compute_policy_loss, loss_denominators
 from miles.algo.layout import cu_seqlens_from_lengths
@@ -125,8 +125,13 @@ class FSDPBackend(TrainingBackend):
             lm.eval().requires_grad_(False)
         policy = PackedPolicy(lm, packed_attention=cfg.attention == "packed",
                               temperature=cfg.temperature, chunk_bytes=cfg.logprob_chunk_bytes)
+        if cfg.compile:
+            _compile_elementwise_parts(lm)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype if master != self.compute_dtype else None,
                                   reduce_dtype=DTYPES[cfg.reduce_dtype])
+        # Resharding after forward (the default) even with one rank: it costs one more bf16 cast
+        # of the weights in backward (~1% of a step), but no unsharded copy ever outlives a forward
+        # (a no-grad pass, an eval), so sleep, export and state dicts always see the shards.
         for layer in lm.model.layers:
             fully_shard(layer, mesh=self.mesh, mp_policy=mp)
         fully_shard(policy, mesh=self.mesh, mp_policy=mp)
@@ -217,7 +222,9 @@ class FSDPBackend(TrainingBackend):
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: PackedPolicy, mbs: list[PackedMicroBatch]) -> list[torch.Tensor]:
-        return [model.run(mb.inputs)[0] for mb in mbs]
+        out = [model.run(mb.inputs)[0] for mb in mbs]
+        reshard(model)
+        return out
 
     def _advantages(self, batch: CheckedBatch, mbs: list[PackedMicroBatch],
                     old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -298,6 +305,7 @@ class FSDPBackend(TrainingBackend):
     def iter_hf_weight_buckets(self, bucket_bytes: int | None = None) -> Any:
         """Full tensors under HF names in buckets (collective: every rank iterates to the end)."""
         self._require_awake("iter_hf_weight_buckets")
+        reshard(self.policy)
         return iter_hf_weight_buckets(self.policy.lm, bucket_bytes or self.cfg.update_bucket_bytes,
                                       dtype=self.compute_dtype)
 
@@ -314,6 +322,7 @@ class FSDPBackend(TrainingBackend):
     def save_model(self, path: str | Path, hf: bool = False,
                    extra_state: dict[str, Any] | None = None) -> None:
         self._require_awake("save_model")
+        reshard(self.policy)
         if hf:
             export_hf(self.policy.lm, self.cfg.model_path, path, write=self.rank.rank == 0,
                       dtype=self.compute_dtype)
@@ -323,12 +332,16 @@ class FSDPBackend(TrainingBackend):
 
     def load_model(self, path: str | Path) -> dict[str, Any]:
         self._require_awake("load_model")
+        reshard(self.policy)
         state = load_checkpoint(path, self.policy, self.optimizer)
         self._step = int(state["step"])
         return dict(state.get("extra_state", {}))
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
+        for model in (self.policy, self.ref):
+            if model is not None:
+                reshard(model)
         moved = self._offload.sleep(self._device_tensors())
         log.info("sleep: moved %.2f GiB to host", moved / 2**30)
 
@@ -344,6 +357,8 @@ class FSDPBackend(TrainingBackend):
                 if p.grad is not None:
                     yield _local(p.grad)
             yield from model.buffers()
+        for group in self.optimizer.param_groups:
+            yield from (_local(p) for p in group["params"])
         for state in self.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
@@ -359,6 +374,28 @@ class FSDPBackend(TrainingBackend):
         self.policy = self.ref = self.optimizer = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _compile_elementwise_parts(lm: torch.nn.Module) -> None:
+    """torch.compile (in place, names unchanged) the parts of each decoder layer that eager mode
+    runs as chains of small memory-bound kernels: the RMSNorms and a dense MLP's act(gate) * up.
+    Attention (sample boundaries vary per micro-batch) and MoE blocks (data-dependent expert loops)
+    stay eager; dynamic=True keeps one graph for every micro-batch length."""
+    for layer in lm.model.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, name).compile(dynamic=True)
+        if not hasattr(layer.mlp, "experts"):
+            layer.mlp.compile(dynamic=True)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every unsharded copy so the module's parameters are its shards again.
+
+    FSDP2 keeps the root's parameters unsharded after a forward that has no backward (no-grad
+    passes, evals): until resharded, `parameters()` returns those bf16 copies, not the masters."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -189,10 +189,19 @@ def suite(arch: str, out: Path, with_options: bool = False) -> None:
         result["full_state_dict_tensors"] = len(shapes)
 
     # 4. Save, then (after a sleep/wake cycle) two more steps; a fresh backend resumes identically.
+    #    A no-grad forward first: FSDP leaves the root unsharded after it, and sleep must cope.
+    probe = make_samples(groups=1, per_group=3, seed=3)
+    mb = pack_samples([s.tokens for s in probe], [s.response_length for s in probe],
+                      [np.ones(s.response_length, np.uint8) for s in probe], [None] * 3, [0, 1, 2],
+                      trainer.device)
     ckpt = tmp / "ckpt"
     trainer.save_model(ckpt, extra_state={"data_position": 3})
+    with torch.no_grad():
+        trainer.policy.run(mb.inputs)
     trainer.sleep()
     assert all(p.to_local().untyped_storage().nbytes() == 0 for p in trainer.policy.parameters())
+    assert all(v.to_local().untyped_storage().nbytes() == 0 for st in trainer.optimizer.state.values()
+               for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     try:
         trainer.train(batch)
         raise AssertionError("train() while asleep should fail")
@@ -211,10 +220,6 @@ def suite(arch: str, out: Path, with_options: bool = False) -> None:
     # 5. HF export: loads in transformers, log-probs and entropies equal the trainer's.
     hf_dir = tmp / "hf"
     trainer.save_model(hf_dir, hf=True)
-    probe = make_samples(groups=1, per_group=3, seed=3)
-    mb = pack_samples([s.tokens for s in probe], [s.response_length for s in probe],
-                      [np.ones(s.response_length, np.uint8) for s in probe], [None] * 3, [0, 1, 2],
-                      trainer.device)
     with torch.no_grad():
         train_lp, train_ent = trainer.policy.run(mb.inputs)
     if rank.rank == 0:

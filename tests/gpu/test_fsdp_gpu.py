@@ -77,6 +77,13 @@ def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
         assert "model.layers.0.self_attn.q_proj.weight" in names
         del bucket
 
+        # a no-grad forward leaves FSDP's root unsharded (bf16 copies); sleep must still free all
+        mb = pack_samples([s.tokens for s in batch[:2]], [s.response_length for s in batch[:2]],
+                          [np.ones(s.response_length, np.uint8) for s in batch[:2]], [None] * 2,
+                          [0, 1], backend.device)
+        with torch.no_grad():
+            backend.policy.run(mb.inputs)
+        del mb
         torch.cuda.synchronize()
         awake = torch.cuda.memory_allocated()
         snapshot = {n: p.to_local().detach().clone().cpu() for n, p in backend.policy.named_parameters()}
