@@ -18,12 +18,18 @@ Mapping:
     sweep    async for sandbox in daytona.list(ListSandboxesQuery(labels=...)): delete
 
 Gotchas honoured (from Miles' Daytona examples): one client per backend, because the SDK owns a
-connection pool and has no close(); `ttl_minutes` (wall clock) rather than auto-stop alone, because
+connection pool (closed by Backend.close(), which recent SDKs offer); `ttl_minutes` (wall clock) rather than auto-stop alone, because
 auto-stop only counts SDK activity; ephemeral sandboxes are deleted when they stop.
 
-What was exercised here (no network): the mapping above against the real SDK's parameter models
-(pydantic validates every field name and type we pass) with the network-facing AsyncDaytona client
-patched (tests/sandboxes/test_sandbox_cloud.py). Not exercised: a real Daytona API.
+What was exercised here (no network), in tests/sandboxes/test_sandbox_cloud.py:
+- the real SDK, unpatched, over HTTP against a stand-in of the Daytona API and toolbox on
+  127.0.0.1 (tests/sandboxes/daytona_standin.py: create, get, delete, list by label, execute,
+  folder, bulk upload, bulk download, work-dir), with a Harbor task end to end;
+- the mapping against the SDK's own parameter models (pydantic validates every field name and
+  type we pass) with the AsyncDaytona client patched, every call bound to the real signatures.
+Not exercised: a real Daytona deployment (image builds, snapshots, auto-stop, real TTL expiry; the
+stand-in answers "started" at once and refuses the socket.io event stream, so the SDK's event
+path is not covered).
 """
 
 from __future__ import annotations
@@ -128,6 +134,11 @@ class DaytonaBackend(Backend):
 
     def is_retryable(self, exc: BaseException) -> bool:
         return isinstance(exc, self.retryable_errors) or super().is_retryable(exc)
+
+    async def close(self) -> None:
+        if self._client is not None and hasattr(self._client, "close"):
+            await self._client.close()
+        self._client = None
 
     def params(self, spec: SandboxSpec):
         if spec.rootfs is not None:

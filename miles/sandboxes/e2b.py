@@ -18,10 +18,14 @@ AgentENV = this backend with `api_url` (and usually `sandbox_url`) pointing at t
 it needs no real key, so a placeholder is sent. e2b 2.63 marks `api_url`/`sandbox_url` deprecated
 "for the next major version": pin `e2b<3` for AgentENV until that changes.
 
-What was exercised here (no network): the mapping above, against the real SDK classes with the
-network-facing AsyncSandbox/AsyncTemplate patched (tests/sandboxes/test_sandbox_cloud.py), and the
-real SDK signatures (every keyword we pass is bound against the installed SDK's signature). Not
-exercised: a real E2B or AgentENV server.
+What was exercised here (no network), in tests/sandboxes/test_sandbox_cloud.py:
+- the real SDK, unpatched, over HTTP/1.1 against a stand-in of the E2B API and envd on 127.0.0.1
+  (tests/sandboxes/e2b_standin.py: create, list by metadata, kill, process Start over the Connect
+  protocol with the JSON codec, file upload/download), through `agentenv` with
+  api_url/sandbox_url, with a Harbor task end to end;
+- the mapping with AsyncSandbox/AsyncTemplate patched, every call bound to the real signatures
+  (including the Dockerfile -> template build, which the stand-in does not implement).
+Not exercised: a real E2B or AgentENV server (HTTP/2, template builds, TTL expiry, pause/resume).
 """
 
 from __future__ import annotations

@@ -339,6 +339,43 @@ async def test_daytona_mapping_and_harbor_task(engine):
     assert [(r.status, r.reward) for r in results] == [("ok", 1.0), ("ok", 0.0)]
 
 
+async def test_daytona_real_sdk_against_a_local_standin(engine):
+    """The real daytona SDK, unpatched, over HTTP to a stand-in of the Daytona API and toolbox."""
+    pytest.importorskip("daytona")
+    from daytona_standin import DaytonaStandIn
+    standin = DaytonaStandIn(engine)
+    url = await standin.start()
+    backend = get_backend("daytona", api_key="k", api_url=url, create_timeout_s=20)
+    try:
+        spec = SandboxSpec(image="debian:bookworm-slim", workdir="/app", env={"A": "1"},
+                           labels={"miles.run": "r5"})
+        async with await backend.create(spec) as sb:
+            r = await sb.exec("echo $A $B; echo err >&2; exit 3", env={"B": "2"})
+            assert (r.exit_code, r.stdout, r.stderr) == (3, "1 2\nerr\n", "")
+            assert (await sb.exec("sleep 5", timeout_s=0.5)).timed_out
+            await sb.upload_dir("/tests", {"test.sh": b"echo hi", "d/x.txt": b"x"})
+            assert await sb.download("/tests/d/x.txt") == b"x"
+            with pytest.raises(FileNotFoundError):
+                await sb.download("/nope")
+        assert sb.id not in standin.sandboxes
+        body = json_of_create(standin)
+        assert {"miles.sandbox": "1", "miles.run": "r5"}.items() <= body["labels"].items()
+        assert body["networkBlockAll"] is True and body["env"] == {"A": "1"}
+        await backend.create(spec)
+        assert await backend.sweep({"miles.run": "r5"}) == 1
+        results = await run_task_through(backend)
+        assert [(r.status, r.reward) for r in results] == [("ok", 1.0), ("ok", 0.0)]
+        # Only the SDK's socket.io event stream is refused (it falls back to polling).
+        assert {path for _, path in standin.unhandled} <= {"/socket.io/"}
+    finally:
+        await backend.close()
+        await standin.stop()
+
+
+def json_of_create(standin) -> dict:
+    return standin.created[0]
+
+
 # Modal -------------------------------------------------------------------------------------------
 
 def aio(fn):
