@@ -19,6 +19,12 @@ Design decisions:
   separate pass before the first step.
 - A step whose gradient norm is not finite is skipped (no update, `skipped_steps` = 1) rather than
   poisoning the weights; the caller sees it in the metrics.
+- FSDP2 leaves the root unsharded after a forward without backward; everything that reads the
+  parameters as shards (sleep, weight sync, export, checkpoints) reshards first.
+- Metrics (identical on every rank; means over the call's optimizer steps): loss, pg_loss,
+  pg_clipfrac, ppo_kl, kl (= kl_loss when a KL loss is on, else ppo_kl), kl_loss, entropy,
+  train_rollout_logprob_abs_diff, train_rollout_kl, tis/mis stats, grad_norm, lr; sums: tokens,
+  skipped_steps; and samples, optimizer_steps, microbatches (this rank), step_s, tokens_per_s.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +308,7 @@ class FSDPBackend(TrainingBackend):
         return out
 
     # ------------------------------------------------------------------ weights out
-    def iter_hf_weight_buckets(self, bucket_bytes: int | None = None) -> Any:
+    def iter_hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[NamedTensors]:
         """Full tensors under HF names in buckets (collective: every rank iterates to the end)."""
         self._require_awake("iter_hf_weight_buckets")
         reshard(self.policy)
