@@ -82,7 +82,7 @@ async def main() -> None:
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
-    from miles.sandboxes.host import default_base_dir
+    from miles.sandboxes.hostfs import default_base_dir
     base_dir = tempfile.mkdtemp(prefix="miles-sbx-bench-",
                                 dir=os.path.dirname(default_base_dir()))
     os.chmod(base_dir, 0o711)

@@ -27,7 +27,8 @@ import random
 import subprocess
 
 from miles.sandboxes.base import BackendUnavailableError, ExecResult, SandboxError, timeout_argv
-from miles.sandboxes.host import SYSTEM_DIRS, HostBackend, HostSandbox, require_binary
+from miles.sandboxes.host import HostBackend, HostSandbox, require_binary
+from miles.sandboxes.hostfs import SYSTEM_DIRS
 from miles.sandboxes.spawner import AsUid
 
 class BwrapSandbox(HostSandbox):

@@ -18,10 +18,8 @@ Design decisions:
   a crashed controller; destroy kills its process group. Every exec's timeout is also clipped to
   the remaining TTL, so no command outlives the sandbox even without the reaper.
 - Records live beside R, not inside it, so a sandbox cannot forge its own labels or deadline.
-- File transfer walks R one component at a time with O_NOFOLLOW: a symlink planted by the sandbox
-  (`reward.txt -> /etc/shadow`) can never make the root-owned controller read or write host files.
-- R is deleted only after checking our mount table has nothing under it: host bind mounts live in
-  the sandbox's private mount namespace, and rm -rf must never descend into a bind of /usr.
+- Files move in and out of R without ever following a symlink the sandbox planted, and R is never
+  deleted across a mount point (hostfs.py).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import random
 import shlex
 import shutil
 import subprocess
-import tempfile
 import time
 from typing import Mapping
 
@@ -43,35 +40,14 @@ import msgspec
 from miles.sandboxes.base import (Backend, BackendUnavailableError, ExecResult, Sandbox,
                                   SandboxCreateError, SandboxError, SandboxSpec, SandboxSpecError,
                                   check, labels_match, timed_out_from, DEFAULT_WORKDIR)
-from miles.sandboxes import procs
+from miles.sandboxes import hostfs, procs
+from miles.sandboxes.hostfs import (RESERVED_DIRS, SYSTEM_DIRS, RootTemplate,
+                                    default_base_dir, is_full_root, remove_tree)
 from miles.sandboxes.spawner import SETUP_FAILED, Limits, SpawnerClient
 
-# Top-level directories that come from the system root, read-only, never from the sandbox root.
-SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
-RESERVED_DIRS = SYSTEM_DIRS + ("proc", "dev", "sys")
 DEFAULT_UID_RANGE = (2_000_000_000, 2_100_000_000)
 ORPHAN_GRACE_S = 120.0
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def default_base_dir() -> str:
-    """$MILES_SANDBOX_DIR, else a directory on /dev/shm when that is a tmpfs, else <tempdir>.
-
-    tmpfs because sandbox roots are created and deleted per episode: on a disk filesystem mounted
-    with `discard`, deleting even a tiny tree costs ~30 ms (measured), on tmpfs ~0.2 ms."""
-    if os.environ.get("MILES_SANDBOX_DIR"):
-        return os.path.abspath(os.environ["MILES_SANDBOX_DIR"])
-    if _is_tmpfs("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm/miles-sandboxes"
-    return os.path.join(tempfile.gettempdir(), "miles-sandboxes")
-
-
-def _is_tmpfs(path: str) -> bool:
-    try:
-        with open("/proc/self/mounts") as f:
-            return any(line.split()[1:3] == [path, "tmpfs"] for line in f)
-    except OSError:
-        return False
 
 
 class HostRecord(msgspec.Struct):
@@ -89,56 +65,6 @@ class HostRecord(msgspec.Struct):
     privileged: bool = True
 
 
-class RootTemplate(msgspec.Struct, frozen=True):
-    """An initial root tree. `full_root` means it carries its own /usr (a debootstrap or exported
-    image) and the system directories are bound from it instead of from the host."""
-
-    path: str
-    workdir: str | None = None
-    env: dict[str, str] = {}
-    full_root: bool = False
-
-
-def is_full_root(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "usr/bin/env")) or os.path.isfile(
-        os.path.join(path, "bin/sh"))
-
-
-def _mounts_under(path: str) -> list[str]:
-    """Mount points at or below `path` in *our* mount namespace."""
-    prefix = path.rstrip("/") + "/"
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split(" ")[4].encode().decode("unicode_escape")
-            if point == path or point.startswith(prefix):
-                found.append(point)
-    return found
-
-
-def remove_tree(path: str) -> None:
-    """rm -rf that refuses to cross a mount point (see module docstring)."""
-    if not os.path.lexists(path):
-        return
-    mounts = _mounts_under(path)
-    if mounts:
-        raise SandboxError(f"refusing to delete {path}: mount points below it: {mounts[:3]}")
-
-    def _retry(func, p, _exc):
-        # Without root a sandbox can leave 000-mode directories of its own; open them and retry.
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-        except OSError:
-            pass
-        try:
-            func(p)
-        except FileNotFoundError:
-            pass
-
-    shutil.rmtree(path, onerror=_retry)
-
-
 class HostSandbox(Sandbox):
     """A sandbox whose root R is a host directory. Subclasses implement `_exec`."""
 
@@ -154,7 +80,6 @@ class HostSandbox(Sandbox):
         self.image_env = env
         self.sys_root = sys_root
         self._reaper = reaper
-        self._live_groups: set[int] = set()
         self.created_at = record.created_at
 
     # Paths -----------------------------------------------------------------------------------
@@ -171,90 +96,23 @@ class HostSandbox(Sandbox):
               f"(backend {self.backend.name})")
         return parts
 
-    def _open_dir(self, parts: list[str], path: str, create: bool) -> int:
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for part in parts:
-                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                try:
-                    nfd = os.open(part, flags, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise FileNotFoundError(errno.ENOENT, "no such file in sandbox", path)
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    nfd = os.open(part, flags, dir_fd=fd)
-                    if self.backend.privileged:
-                        os.fchown(nfd, self.uid, self.uid)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise SandboxError(
-                            f"path {path!r} in sandbox {self.id}: component {part!r} is a "
-                            "symlink or not a directory; transfers never follow symlinks") from None
-                    raise
-                os.close(fd)
-                fd = nfd
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-
     def ensure_dir(self, path: str) -> None:
         """mkdir -p of a sandbox path (a working directory), owned by the sandbox."""
         parts = [p for p in path.split("/") if p]
         if parts and parts[0] not in RESERVED_DIRS:
-            os.close(self._open_dir(parts, path, create=True))
+            os.close(hostfs.open_dir(self.root, parts, path, create=True, owner=self._owner))
+
+    @property
+    def _owner(self) -> int | None:
+        return self.uid if self.backend.privileged else None
 
     async def _upload(self, path: str, data: bytes, mode: int) -> None:
-        parts = self._parts(path, "path")
-        dfd = self._open_dir(parts[:-1], path, create=True)
-        try:
-            try:
-                fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                             mode & 0o777, dir_fd=dfd)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise SandboxError(f"upload target {path!r} in sandbox {self.id} is a "
-                                       "symlink; refusing to follow it") from None
-                raise
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                if self.backend.privileged:
-                    os.fchown(fd, self.uid, self.uid)
-                os.fchmod(fd, mode & 0o777)
-            finally:
-                os.close(fd)
-        finally:
-            os.close(dfd)
+        hostfs.write_file(self.root, self._parts(path, "path"), path, data, mode, self._owner)
 
     async def _download(self, path: str) -> bytes:
         parts = [p for p in path.split("/") if p]
         check(bool(parts), "path", path, "a file path below /")
-        dfd = self._open_dir(parts[:-1], path, create=False)
-        try:
-            try:
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
-            except FileNotFoundError:
-                raise FileNotFoundError(errno.ENOENT, "no such file in sandbox", path) from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise SandboxError(f"download source {path!r} in sandbox {self.id} is a "
-                                       "symlink; refusing to follow it") from None
-                raise
-            try:
-                import stat as _stat
-                if not _stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise SandboxError(f"download source {path!r} in sandbox {self.id} is not "
-                                       "a regular file")
-                chunks = []
-                while chunk := os.read(fd, 1 << 20):
-                    chunks.append(chunk)
-                return b"".join(chunks)
-            finally:
-                os.close(fd)
-        finally:
-            os.close(dfd)
+        return hostfs.read_file(self.root, parts, path)
 
     # Exec ------------------------------------------------------------------------------------
 
@@ -401,12 +259,12 @@ class HostBackend(Backend):
         try:
             workdir = spec.workdir or (template.workdir if template else None) or DEFAULT_WORKDIR
             if template is not None:
-                await asyncio.to_thread(_copy_template, template, root)
+                await asyncio.to_thread(hostfs.copy_template, template, root)
             for rel in (workdir.lstrip("/"), "tmp", "root"):
                 os.makedirs(os.path.join(root, rel), exist_ok=True)
             self.prepare_root(root, uid, template)
             if self.privileged:
-                _chown_tree(root, uid, skip=RESERVED_DIRS)
+                hostfs.chown_tree(root, uid, skip=RESERVED_DIRS)
             self._write_record(record)
             reaper = self._start_reaper(record)
             record.reaper_pid = reaper.pid
@@ -520,33 +378,6 @@ def _is_reaper(pid: int, sid: str) -> bool:
             return f"miles-reaper-{sid}".encode() in f.read()
     except OSError:
         return False
-
-
-def _copy_template(template: RootTemplate, root: str) -> None:
-    skip = set(RESERVED_DIRS) if template.full_root else {"proc", "dev", "sys"}
-    for name in os.listdir(template.path):
-        if name in skip:
-            continue
-        src, dst = os.path.join(template.path, name), os.path.join(root, name)
-        if os.path.islink(src):
-            os.symlink(os.readlink(src), dst)
-        elif os.path.isdir(src):
-            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
-        else:
-            shutil.copy2(src, dst, follow_symlinks=False)
-
-
-def _chown_tree(root: str, uid: int, skip: tuple[str, ...]) -> None:
-    os.chown(root, uid, uid)
-    for name in os.listdir(root):
-        if name in skip:
-            continue
-        path = os.path.join(root, name)
-        os.lchown(path, uid, uid)
-        if os.path.isdir(path) and not os.path.islink(path):
-            for dirpath, dirnames, filenames in os.walk(path):
-                for entry in dirnames + filenames:
-                    os.lchown(os.path.join(dirpath, entry), uid, uid)
 
 
 def require_binary(name: str, backend: str, hint: str) -> str:

@@ -31,7 +31,8 @@ import os
 import sys
 
 from miles.sandboxes.base import BackendUnavailableError, ExecResult, timeout_argv
-from miles.sandboxes.host import HostBackend, HostSandbox, RootTemplate, require_binary
+from miles.sandboxes.host import HostBackend, HostSandbox, require_binary
+from miles.sandboxes.hostfs import RootTemplate
 from miles.sandboxes.linux import DEV_NODES
 from miles.sandboxes.spawner import AsUid, Jail
 

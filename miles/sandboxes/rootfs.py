@@ -36,7 +36,7 @@ import msgspec
 
 from miles.sandboxes import dockerfile as df
 from miles.sandboxes.base import SandboxSpec, sandbox_path
-from miles.sandboxes.host import RESERVED_DIRS, RootTemplate
+from miles.sandboxes.hostfs import RESERVED_DIRS, RootTemplate
 
 TEMPLATE_VERSION = "1"
 IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "VOLUME", "HEALTHCHECK", "STOPSIGNAL",

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from miles.sandboxes.host import default_base_dir
+from miles.sandboxes.hostfs import default_base_dir
 from sandbox_helpers import HOST_BACKENDS, make_host_backend
 
 
