@@ -76,7 +76,11 @@ class NcclTransport(WeightTransport):
         if self._calls is None:
             self._calls = EngineCalls(self.engine_urls, timeout_s=self.cfg.connect_timeout_s,
                                       name="weights-nccl")
-        self._join()
+        try:
+            self._join()
+        except BaseException:
+            self.close()
+            raise
 
     def _join(self) -> None:
         cfg, calls = self.cfg, self._calls

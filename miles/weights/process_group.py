@@ -80,8 +80,11 @@ def create_group_with_engines(*, backend: str, master_address: str, master_port:
         if not thread.is_alive():
             if "error" in box:
                 pending = [u for u, f in zip(engine_urls, engine_joins) if not f.done()]
-                raise RuntimeError(f"{where}: not every engine joined within {timeout_s} s "
-                                   f"(still joining: {pending or 'none'}): {box['error']}")
+                who = (f"still joining: {pending}" if pending else
+                       "every engine answered /init_weights_update_group, so check that they can "
+                       f"reach {master_address}:{master_port} (weights.master_address)")
+                raise RuntimeError(f"{where}: not every engine joined within {timeout_s} s ({who}): "
+                                   f"{box['error']}")
             if all(f.done() for f in engine_joins):
                 return box["pg"]
         if time.monotonic() > deadline:

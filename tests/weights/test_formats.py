@@ -1,0 +1,238 @@
+"""The pieces under the transports, without engines: the delta format (XOR, compression, checksums,
+damage detection), the CUDA IPC codec (no pickle; the CPU fall-back errors), flat buckets and the
+send pipeline."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+import zlib
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from miles.weights import WeightsConfig
+from miles.weights.buckets import Coalescer, SendPipeline, flatten
+from miles.weights.delta_format import (DeltaError, DeltaWriter, decode_entry, decompress,
+                                        encode_chunks, read_manifest, sha256)
+
+# ---- delta format ---------------------------------------------------------------------------------
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+
+
+def one_step(seed: int = 0, n: int = 50_000) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 weights before and after a small update (only a few elements cross a rounding step)."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g) * 0.02
+    old = master.to(torch.bfloat16)
+    new = (master + 1e-6 * torch.randn(n, generator=g).sign()).to(torch.bfloat16)
+    return tensor_bytes(old), tensor_bytes(new)
+
+
+def write_delta(tmp_path, entries, *, base_version=3, codec="zlib", chunk_bytes=16 << 10):
+    w = DeltaWriter(tmp_path / "delta-v000004", version=4, base_version=base_version, codec=codec)
+    items = []
+    for name, new, base in entries:
+        kind, chunks = encode_chunks(new, base, codec=codec, level=1, chunk_bytes=chunk_bytes, pool=None)
+        items.append((name, "bfloat16", [new.nbytes // 2], kind, chunks, sha256(new),
+                      sha256(base) if kind == "xor" else None))
+    w.write_bucket(items)
+    return w.close(), w.final
+
+
+@pytest.mark.parametrize("codec", ["zlib", "lzma"])
+def test_xor_delta_round_trip_is_exact_and_small(tmp_path, codec):
+    old, new = one_step()
+    changed = float((old.view(np.uint16) != new.view(np.uint16)).mean())
+    assert 0 < changed < 0.2
+    manifest, d = write_delta(tmp_path, [("w", new, old), ("norm", old, old)], codec=codec)
+    assert manifest.payload_bytes < 0.5 * manifest.full_bytes
+    norm = manifest.entries[1]
+    assert all(c.length == 0 for c in norm.chunks)  # unchanged: all-zero chunks cost nothing
+    back = read_manifest(d)
+    assert back == manifest
+    assert np.array_equal(decode_entry(d, back, back.entries[0], old), new)
+    assert np.array_equal(decode_entry(d, back, back.entries[1], old), old)
+
+
+def test_raw_entries_need_no_base(tmp_path):
+    _, new = one_step(1)
+    manifest, d = write_delta(tmp_path, [("w", new, None)], base_version=None)
+    assert manifest.entries[0].kind == "raw" and manifest.base_version is None
+    assert np.array_equal(decode_entry(d, manifest, manifest.entries[0], None), new)
+
+
+def test_damage_is_detected_with_a_clear_error(tmp_path):
+    old, new = one_step(2)
+    manifest, d = write_delta(tmp_path, [("w", new, old)])
+    entry = manifest.entries[0]
+    data = d / entry.file
+    good = data.read_bytes()
+    # A flipped byte inside a compressed chunk: undecodable, or decodes to the wrong tensor.
+    chunk = next(c for c in entry.chunks if c.length)
+    bad = bytearray(good)
+    bad[chunk.offset + chunk.length // 2] ^= 0xFF
+    data.write_bytes(bytes(bad))
+    with pytest.raises(DeltaError, match=r"tensor 'w': (chunk \d+ is corrupted|checksum mismatch)"):
+        decode_entry(d, manifest, entry, old)
+    # A file cut short.
+    data.write_bytes(good[: len(good) // 2])
+    with pytest.raises(DeltaError, match=r"data file 'data-00000.bin' is truncated \(chunk \d+ needs bytes"):
+        decode_entry(d, manifest, entry, old)
+    # Intact delta, wrong base: named as such, not as corruption.
+    data.write_bytes(good)
+    with pytest.raises(DeltaError, match="this engine's weights are not the delta's base"):
+        decode_entry(d, manifest, entry, new)
+    # A damaged manifest.
+    (d / "manifest.json").write_bytes(b'{"format": "miles-delta/1", "version": ')
+    with pytest.raises(DeltaError, match="manifest.json is damaged"):
+        read_manifest(d)
+    with pytest.raises(DeltaError, match="no manifest.json"):
+        read_manifest(tmp_path)
+
+
+def test_decompression_is_bounded_by_the_declared_length():
+    bomb = zlib.compress(bytes(10 << 20))
+    with pytest.raises(DeltaError, match=r"decodes to 1025\+ bytes, expected 1024"):
+        decompress(bomb, "zlib", 1024)
+    with pytest.raises(DeltaError, match="undecodable zlib data"):
+        decompress(b"not zlib", "zlib", 10)
+
+
+def test_zstd_needs_its_package_or_says_so():
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        from miles.weights.delta_format import compress
+        with pytest.raises(DeltaError, match="needs the `zstandard` package"):
+            compress(b"x", "zstd", 3)
+    else:
+        pytest.skip("zstandard is installed")
+
+
+def test_manifest_names_no_file_outside_its_directory(tmp_path):
+    old, new = one_step(3)
+    manifest, d = write_delta(tmp_path, [("w", new, old)])
+    raw = msgspec.json.decode((d / "manifest.json").read_bytes())
+    raw["entries"][0]["file"] = "../../etc/passwd"
+    (d / "manifest.json").write_bytes(msgspec.json.encode(raw))
+    with pytest.raises(DeltaError, match="outside the delta directory"):
+        read_manifest(d)
+
+
+# ---- CUDA IPC codec -------------------------------------------------------------------------------
+
+def fake_reduction():
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    args = (torch.Tensor, torch.Size([6]), (1,), 2, torch.storage.TypedStorage, torch.bfloat16, 0,
+            b"\x01handle\xff", 4096, 512, False, b"/torch_123_refcount", 64, b"\x00event", True)
+    return rebuild_cuda_tensor, args
+
+
+def test_ipc_fields_round_trip_as_json_without_pickle():
+    from miles.weights import cuda_ipc
+    fields = cuda_ipc.fields_from_reduction(fake_reduction(), "GPU-1234")
+    bucket = cuda_ipc.IpcBucket(fields, ["a", "b"], [[2], [1, 2]])
+    wire = msgspec.json.encode(bucket)
+    assert b"pickle" not in wire and b"\x80" not in wire  # plain JSON text, handles in base64
+    back = cuda_ipc.decode_bucket(wire.decode())
+    assert back == bucket
+    args = cuda_ipc.rebuild_args(back.flat, local_index=3)
+    _, orig = fake_reduction()
+    assert args[1:4] == orig[1:4] and args[5] == torch.bfloat16 and args[6] == 3
+    assert args[4] is torch.UntypedStorage and args[0] is torch.Tensor
+    assert args[7:] == orig[7:]
+
+
+def test_ipc_refuses_what_it_cannot_share():
+    from miles.weights import cuda_ipc
+    from torch.multiprocessing.reductions import reduce_tensor
+    with pytest.raises(ValueError, match="the tensor is on cpu, not on a GPU"):
+        cuda_ipc.share(torch.zeros(3))
+    with pytest.raises(ValueError, match="not a CUDA tensor"):
+        cuda_ipc.fields_from_reduction(reduce_tensor(torch.zeros(3)), "GPU-0")
+    fields = cuda_ipc.fields_from_reduction(fake_reduction(), "GPU-1234")
+    with pytest.raises(ValueError, match="dtype 'complex64' is not one of"):
+        cuda_ipc.rebuild_args(msgspec.structs.replace(fields, dtype="complex64"), 0)
+    with pytest.raises(ValueError, match="not a miles_cuda_ipc bucket"):
+        cuda_ipc.decode_bucket('{"flat": {}, "names": []}')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fall-back")
+def test_without_cuda_the_colocated_path_says_what_to_use():
+    from miles.engines.embedded_engine.weights import apply_cuda_ipc_bucket
+    from miles.weights import cuda_ipc, make_transport
+    with pytest.raises(RuntimeError, match="this process has no CUDA"):
+        cuda_ipc.local_device_index("GPU-1234")
+    with pytest.raises(RuntimeError, match="transport='colocated' shares GPU memory .* use "
+                                           "transport='nccl'"):
+        make_transport(WeightsConfig(transport="colocated")).connect(["http://127.0.0.1:9"])
+    cpu_engine = types.SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="'miles_cuda_ipc' needs an engine on CUDA"):
+        apply_cuda_ipc_bucket(cpu_engine, "{}")
+
+
+# ---- flat buckets and the send pipeline ------------------------------------------------------------
+
+def test_coalescer_buckets_by_bytes_and_dtype():
+    out = []
+    c = Coalescer(100, out.append)
+    c.add([("a", torch.ones(10)), ("b", torch.ones(10)), ("c", torch.ones(20))])  # 40+40 | 80
+    c.add([("d", torch.ones(4, dtype=torch.bfloat16))])                         # dtype change
+    c.add([("e", torch.ones(50))])                                              # alone: > bucket
+    c.flush()
+    assert [b.names for b in out] == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert [b.index for b in out] == [0, 1, 2, 3] and out[2].dtype_name == "bfloat16"
+    x, y = torch.randn(2, 3), torch.randn(4)
+    b = flatten([("x", x), ("y", y)])
+    assert b.flat.shape == (10,) and b.nbytes == 40
+    views = dict(b.views())
+    assert torch.equal(views["x"], x) and torch.equal(views["y"], y)
+    with pytest.raises(ValueError, match="one dtype"):
+        flatten([("x", x), ("y", y.double())])
+
+
+def test_send_pipeline_keeps_order_and_overlaps_one_bucket():
+    events = []
+
+    def send(bucket):
+        events.append(("send", bucket.index))
+        return lambda: events.append(("complete", bucket.index))
+
+    p = SendPipeline(send, depth=2, timeout_s=5)
+    p.start()
+    for i in range(3):
+        p.put(flatten([("t", torch.ones(2))], index=i))
+    p.drain()
+    # Bucket k completes only after bucket k+1 went out: the two overlap.
+    assert events == [("send", 0), ("send", 1), ("complete", 0), ("send", 2), ("complete", 1),
+                      ("complete", 2)]
+
+
+def test_send_pipeline_failure_reaches_the_caller():
+    release = threading.Event()
+
+    def send(bucket):
+        if bucket.index == 1:
+            raise ConnectionError("engine went away")
+        release.wait(5)
+        return None
+
+    p = SendPipeline(send, depth=1, timeout_s=2)
+    p.start()
+    p.put(flatten([("t", torch.ones(1))], index=0))
+    release.set()
+    p.put(flatten([("t", torch.ones(1))], index=1))
+    deadline = time.monotonic() + 5
+    while p._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ConnectionError, match="engine went away"):
+        p.put(flatten([("t", torch.ones(1))], index=2))
+    with pytest.raises(ConnectionError):
+        p.drain()

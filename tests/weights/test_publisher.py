@@ -1,0 +1,245 @@
+"""WeightPublisher against fake engines (in-process aiohttp) and a recording transport: the order of
+the session, timeouts, engines always resumed, failures reported by step, check_weights."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from aiohttp import web
+
+from miles.weights import WeightPublisher, WeightPublishError, WeightsConfig
+from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.checks import ChecksumTap, WeightsMismatch, tensor_sha256
+
+FAST = dict(pause_timeout_s=1.0, control_timeout_s=1.0, transfer_timeout_s=2.0, check_timeout_s=1.0,
+            prepare_timeout_s=1.0, commit_timeout_s=1.0)
+
+
+class FakeEngine:
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+        self.fail: dict[str, int] = {}       # path -> HTTP status to answer
+        self.hang: set[str] = set()          # paths that never answer
+        self.checksums: dict[str, str] = {}
+        self.url = ""
+
+    def app(self) -> web.Application:
+        async def handle(request: web.Request):
+            path = request.path
+            body = await request.json() if request.can_read_body else None
+            self.log.append((self.name, path, body))
+            if path in self.hang:
+                await asyncio.sleep(2.0)  # longer than the publisher's 1 s timeouts
+            if path in self.fail:
+                return web.json_response({"error": {"message": f"{self.name} says no"}},
+                                         status=self.fail[path])
+            if path == "/model_info":
+                return web.json_response({"dtype": "float32", "weight_version": "default"})
+            if path == "/weights_checksum":
+                return web.json_response({"algorithm": "sha256", "checksums": self.checksums})
+            return web.json_response({"success": True, "message": "ok", "status": "ok"})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+
+@pytest.fixture
+async def engines():
+    log: list = []
+    runners, fakes = [], []
+    for i in range(2):
+        fake = FakeEngine(log, f"e{i}")
+        runner = web.AppRunner(fake.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        fake.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runners.append(runner)
+        fakes.append(fake)
+    yield fakes, log
+    for r in runners:
+        await r.cleanup()
+
+
+class Recording(WeightTransport):
+    def __init__(self, log: list, pause_during_transfer: bool = True):
+        self.log = log
+        self.pause_during_transfer = pause_during_transfer
+        self.fail_at: str | None = None
+        self._stats = TransferStats(tensors=2, bytes=24, buckets=1, payload_bytes=24)
+
+    def _step(self, what: str):
+        self.log.append(("transport", what, None))
+        if self.fail_at == what:
+            raise RuntimeError(f"{what} broke")
+
+    def connect(self, engine_urls):
+        self._step("connect")
+
+    def begin(self, version):
+        self._step("begin")
+
+    def send_bucket(self, named_tensors):
+        self._step("bucket")
+
+    def finish(self, version):
+        self._step("finish")
+
+    def prepare(self, version):
+        self._step("prepare")
+
+    def commit(self, version):
+        self._step("commit")
+
+    def abandon(self, version):
+        self._step("abandon")
+
+
+def run_update(tr, version=1):
+    def run():
+        tr.begin(version)
+        tr.send_bucket([("a", torch.ones(2)), ("b", torch.zeros(1))])
+        tr.finish(version)
+    return run
+
+
+def steps(log):
+    """The session as one list: engine paths (deduplicated across engines) and transport steps."""
+    out = []
+    for who, what, _ in log:
+        item = what if who == "transport" else what.lstrip("/")
+        if not out or out[-1] != item:
+            out.append(item)
+    return out
+
+
+async def test_session_order_and_report(engines):
+    fakes, log = engines
+    tr = Recording(log)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    report = await pub.publish(7, run_update(tr, 7))
+    assert steps(log) == ["pause_generation", "begin", "bucket", "finish", "update_weight_version",
+                          "continue_generation"]
+    bodies = {(who, what): body for who, what, body in log}
+    assert bodies[("e0", "/pause_generation")] == {"mode": "in_place"}
+    assert bodies[("e1", "/update_weight_version")] == {"new_version": "7", "abort_all_requests": False}
+    assert (report.version, report.transport, report.bytes, report.buckets) == (7, "nccl", 24, 1)
+    assert report.paused_s >= report.transfer_s > 0 and not report.checked
+    await pub.close()
+
+
+async def test_retract_mode_is_passed(engines):
+    fakes, log = engines
+    tr = Recording(log)
+    pub = WeightPublisher(WeightsConfig(pause_mode="retract", **FAST), [f.url for f in fakes], tr)
+    await pub.publish(1, run_update(tr))
+    assert [b for _, p, b in log if p == "/pause_generation"] == [{"mode": "retract"}] * 2
+    await pub.close()
+
+
+async def test_transfer_failure_resumes_engines_and_says_so(engines):
+    fakes, log = engines
+    tr = Recording(log)
+    tr.fail_at = "bucket"
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    with pytest.raises(WeightPublishError) as err:
+        await pub.publish(3, run_update(tr, 3))
+    e = err.value
+    assert e.step == "transfer" and e.version == 3
+    assert "publish of version 3 failed at step 'transfer'" in str(e) and "bucket broke" in str(e)
+    assert "Engines were resumed" in str(e) and "partially updated" in str(e)
+    assert steps(log) == ["pause_generation", "begin", "bucket", "abandon", "continue_generation"]
+    assert not any(p == "/update_weight_version" for _, p, _ in log)
+    await pub.close()
+
+
+async def test_pause_failure_on_one_engine_resumes_every_engine(engines):
+    fakes, log = engines
+    fakes[1].fail["/pause_generation"] = 400
+    tr = Recording(log)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    with pytest.raises(WeightPublishError) as err:
+        await pub.publish(1, run_update(tr))
+    assert err.value.step == "pause" and fakes[1].url in str(err.value) and "e1 says no" in str(err.value)
+    assert "nothing was changed" in str(err.value)
+    assert {who for who, p, _ in log if p == "/continue_generation"} == {"e0", "e1"}
+    assert not any(what == "begin" for _, what, _ in log)
+    await pub.close()
+
+
+async def test_a_hung_pause_times_out_in_seconds(engines):
+    fakes, log = engines
+    fakes[0].hang.add("/pause_generation")
+    tr = Recording(log)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    t = time.perf_counter()
+    with pytest.raises(WeightPublishError, match=r"no answer within 1.0 s"):
+        await pub.publish(1, run_update(tr))
+    assert time.perf_counter() - t < 5
+    assert {who for who, p, _ in log if p == "/continue_generation"} == {"e0", "e1"}
+    await pub.close()
+
+
+async def test_a_transfer_that_overruns_is_abandoned(engines):
+    fakes, log = engines
+    tr = Recording(log)
+    pub = WeightPublisher(WeightsConfig(**{**FAST, "transfer_timeout_s": 0.3}), [f.url for f in fakes], tr)
+    with pytest.raises(WeightPublishError, match=r"did not finish within 0.3 s") as err:
+        await pub.publish(1, lambda: time.sleep(0.6))
+    assert err.value.step == "transfer"
+    assert steps(log) == ["pause_generation", "abandon", "continue_generation"]
+    await pub.close()
+
+
+async def test_prepare_while_serving_then_pause_only_for_the_swap(engines):
+    fakes, log = engines
+    tr = Recording(log, pause_during_transfer=False)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    report = await pub.publish(2, run_update(tr, 2))
+    assert steps(log) == ["begin", "bucket", "finish", "prepare", "pause_generation", "commit",
+                          "update_weight_version", "continue_generation"]
+    assert report.prepare_s > 0
+    # A refused prepare changes nothing and never pauses.
+    log.clear()
+    tr.fail_at = "prepare"
+    with pytest.raises(WeightPublishError) as err:
+        await pub.publish(3, run_update(tr, 3))
+    assert err.value.step == "prepare" and "nothing was changed" in str(err.value)
+    assert steps(log) == ["begin", "bucket", "finish", "prepare", "abandon"]
+    await pub.close()
+
+
+async def test_engines_that_do_not_resume_are_reported(engines):
+    fakes, log = engines
+    fakes[0].fail["/continue_generation"] = 400
+    tr = Recording(log)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    with pytest.raises(WeightPublishError, match="the weights are in, but /continue_generation failed"):
+        await pub.publish(1, run_update(tr))
+    await pub.close()
+
+
+async def test_check_weights_names_the_first_differing_parameter(engines):
+    fakes, log = engines
+    tap = ChecksumTap(Recording(log))
+    good = {"a": tensor_sha256(torch.ones(2)), "b": tensor_sha256(torch.zeros(1))}
+    for f in fakes:
+        f.checksums = dict(good)
+    pub = WeightPublisher(WeightsConfig(check_weights=True, **FAST), [f.url for f in fakes], tap)
+    report = await pub.publish(1, run_update(tap))
+    assert report.checked and tap.checksum_dtype == torch.float32
+    fakes[1].checksums["b"] = "0" * 64
+    with pytest.raises(WeightsMismatch, match=r"version 2 on engine .*1 of 2 parameters differ .* first: b "):
+        await pub.publish(2, run_update(tap, 2))
+    fakes[1].checksums = {**good, "c": "1" * 64}
+    with pytest.raises(WeightsMismatch, match=r"1 engine parameters were not sent by the trainer, e.g. \['c'\]"):
+        await pub.publish(3, run_update(tap, 3))
+    # check_weights needs the tap that make_transport adds.
+    plain = WeightPublisher(WeightsConfig(check_weights=True, **FAST), [fakes[0].url], Recording(log))
+    with pytest.raises(ValueError, match="needs a transport built by make_transport"):
+        await plain.publish(4, lambda: None)
+    await pub.close()
