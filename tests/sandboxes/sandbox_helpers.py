@@ -23,6 +23,14 @@ def make_host_backend(name: str, base_dir: str, **opts):
         pytest.skip(f"{name} unavailable here: {exc}")
 
 
+def needs_jail(backend) -> None:
+    """Skip where the backend cannot present absolute sandbox paths or separate episodes: the
+    subprocess backend without root has no chroot and runs every sandbox as the caller's uid."""
+    if backend.name == "subprocess" and not backend.privileged:
+        pytest.skip("subprocess backend without root: no chroot, paths map under $SANDBOX_ROOT "
+                    "and episodes share the caller's uid (use bwrap for isolation without root)")
+
+
 def sandbox_processes(base_dir: str | None = None) -> list[psutil.Process]:
     """Live (non-zombie) processes running under a sandbox uid, plus reapers of `base_dir`."""
     lo, hi = DEFAULT_UID_RANGE

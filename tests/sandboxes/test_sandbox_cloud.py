@@ -32,7 +32,9 @@ def bound(real, *args, **kwargs) -> None:
 
 @pytest.fixture
 def engine(base_dir):
-    backend = make_host_backend("subprocess", base_dir)
+    """The local sandbox that carries out the cloud calls: subprocess (a chroot) as root, bwrap
+    otherwise; both show the absolute paths a cloud sandbox would."""
+    backend = make_host_backend("subprocess" if os.geteuid() == 0 else "bwrap", base_dir)
     yield backend
     backend.spawner.close()
 

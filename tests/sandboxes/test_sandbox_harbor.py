@@ -11,7 +11,7 @@ import pytest
 from miles.sandboxes import dockerfile as df
 from miles.sandboxes.base import SandboxSpec, SandboxSpecError
 from miles.sandboxes.harbor import load_task, parse_rewards, run_verifier, task_spec
-from sandbox_helpers import leftover_entries, sandbox_processes, wait_until
+from sandbox_helpers import leftover_entries, needs_jail, sandbox_processes, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 TASKS = os.path.join(os.path.dirname(__file__), "tasks")
@@ -63,6 +63,7 @@ def test_dockerfile_errors_point_at_the_line(tmp_path):
 
 
 async def test_harbor_task_end_to_end(host_backend, base_dir):
+    needs_jail(host_backend)
     task = load_task(os.path.join(TASKS, "hello-sum"))
     spec = task_spec(task)
     async with await host_backend.create(spec) as sb:
@@ -85,6 +86,7 @@ async def test_harbor_task_end_to_end(host_backend, base_dir):
 
 
 async def test_verifier_timeout_is_a_failure_not_reward_zero(host_backend, base_dir):
+    needs_jail(host_backend)
     task = load_task(os.path.join(TASKS, "slow-verifier"))
     async with await host_backend.create(task_spec(task)) as sb:
         result = await run_verifier(sb, task)

@@ -11,12 +11,13 @@ import time
 import pytest
 
 from miles.sandboxes.base import SandboxClosedError, SandboxError, SandboxSpec, SandboxSpecError
-from sandbox_helpers import processes_of_uid, wait_until
+from sandbox_helpers import needs_jail, processes_of_uid, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 
 async def test_exec_files_and_env(host_backend):
+    needs_jail(host_backend)
     spec = SandboxSpec(env={"GREETING": "hi"}, workdir="/app", ttl_s=60)
     async with await host_backend.create(spec) as sb:
         r = await sb.exec("echo $GREETING $EXTRA; pwd; echo oops >&2; exit 3",
@@ -44,6 +45,7 @@ async def test_exec_files_and_env(host_backend):
 
 
 async def test_symlinks_planted_by_the_sandbox_are_never_followed(host_backend):
+    needs_jail(host_backend)
     async with await host_backend.create(SandboxSpec(ttl_s=60)) as sb:
         r = await sb.exec("mkdir -p /logs && ln -s /etc/hostname /logs/reward.txt && "
                           "ln -s / /escape")
@@ -67,6 +69,7 @@ async def test_no_network_even_to_host_loopback(host_backend, loopback_server):
 
 
 async def test_no_view_of_another_episode(host_backend):
+    needs_jail(host_backend)
     spec = SandboxSpec(ttl_s=60)
     async with await host_backend.create(spec) as a, await host_backend.create(spec) as b:
         await a.upload("/workspace/secret.txt", b"episode-a-secret")
