@@ -207,6 +207,9 @@ class Sandbox(abc.ABC):
     public methods here check arguments and the lifecycle once for all backends."""
 
     backend_name: ClassVar[str] = "?"
+    # False where commands see host paths instead of the sandbox's own root (the subprocess
+    # backend without root); tasks that use absolute paths (Harbor's /tests, /logs) refuse it.
+    absolute_paths: bool = True
 
     def __init__(self, sandbox_id: str, spec: SandboxSpec, *, workdir: str,
                  default_timeout_s: float = 600.0):

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from miles.sandboxes.base import Sandbox, SandboxSpec, SandboxSpecError
+from miles.sandboxes.base import Sandbox, SandboxError, SandboxSpec, SandboxSpecError
 
 TESTS_DIR = "/tests"
 VERIFIER_DIR = "/logs/verifier"
@@ -206,6 +206,10 @@ def parse_rewards(text: str, source: str) -> dict[str, float]:
 async def run_verifier(sandbox: Sandbox, task: HarborTask,
                        timeout_s: float | None = None) -> VerifierResult:
     """Upload tests/, run tests/test.sh, read /logs/verifier/reward.{json,txt}."""
+    if not sandbox.absolute_paths:
+        raise SandboxError(f"{sandbox.backend_name} sandbox {sandbox.id} maps paths under its "
+                           "root instead of presenting them (subprocess backend without root): "
+                           "Harbor's /tests and /logs need root, or the bwrap backend")
     timeout_s = timeout_s or task.verifier_timeout_s
     started = time.monotonic()
     prep = await sandbox.exec(

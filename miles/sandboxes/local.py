@@ -14,7 +14,8 @@ Per exec, in the child the spawner forks (spawner.py), between fork and exec, as
 
 So `/logs`, `/tests` and the workdir are plain directories of R, at their absolute paths, and the
 Harbor layout works unchanged. Another episode's R is both outside this chroot and 0700 under
-another uid.
+another uid. The host's pid namespace is shared: a command can list host processes (their command
+lines), not signal or inspect them (another uid). The Docker socket, /run and /var are not in R.
 
 Without root (HPC login nodes) the same backend degrades, and says so in `isolation`: no chroot
 (paths map to R/<path> and commands get $SANDBOX_ROOT, cwd, HOME and TMPDIR inside R), the network
@@ -42,6 +43,10 @@ class SubprocessSandbox(HostSandbox):
     @property
     def isolation(self) -> str:
         return "chroot+uid+netns" if self.backend.privileged else "directory+netns (no root)"
+
+    @property
+    def absolute_paths(self) -> bool:  # type: ignore[override]
+        return self.backend.privileged
 
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:

@@ -105,3 +105,20 @@ async def test_unsupported_dockerfile_steps_fail_clearly(host_backend, tmp_path)
     (tmp_path / "Dockerfile").write_text("FROM x\nCOPY missing.txt /app/\n")
     with pytest.raises(df.DockerfileError, match=r"Dockerfile:2: source 'missing.txt' not found"):
         await host_backend.create(spec)
+
+
+async def test_verifier_refuses_a_sandbox_without_absolute_paths():
+    from miles.sandboxes.base import Sandbox, SandboxError
+
+    class Mapped(Sandbox):
+        backend_name = "subprocess"
+        absolute_paths = False
+
+        async def _exec(self, argv, cwd, env, timeout_s): ...
+        async def _upload(self, path, data, mode): ...
+        async def _download(self, path): ...
+        async def _destroy(self): ...
+
+    task = load_task(os.path.join(TASKS, "hello-sum"))
+    with pytest.raises(SandboxError, match="bwrap"):
+        await run_verifier(Mapped("m1", SandboxSpec(), workdir="/w"), task)
