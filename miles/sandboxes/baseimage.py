@@ -146,6 +146,14 @@ def rootfs_tar(files: dict[str, str]) -> bytes:
     return buf.getvalue()
 
 
+def write_rootfs(dest: str, include_python: bool = False) -> str:
+    """The same tree as a directory: a full root usable as SandboxSpec.rootfs by the host
+    backends (their commands then run on its /usr instead of the host's)."""
+    with tarfile.open(fileobj=io.BytesIO(rootfs_tar(plan(include_python)))) as tar:
+        tar.extractall(dest, filter="tar")
+    return dest
+
+
 async def ensure_base_image(api, include_python: bool = True) -> str:
     """Import the base image unless a tag for exactly these host files exists; return the tag."""
     files = plan(include_python)
