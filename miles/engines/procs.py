@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -58,6 +60,10 @@ _PDEATHSIG_SHIM = (
 )
 
 _live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+# OS entropy, not the `random` module: tests seed that, and two seeded processes would pick
+# the same ports.
+_port_rng = random.SystemRandom()
+_recent_ports: collections.deque[int] = collections.deque(maxlen=256)
 
 
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
@@ -69,10 +75,35 @@ class ServerStartError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the caller binds it soon; races are unlikely)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port that was free a moment ago, below the kernel's ephemeral range.
+
+    A server binds its port seconds after we pick it (an engine loads its model first). A port
+    from the ephemeral range can meanwhile become the source port of some outgoing connection,
+    and on a busy test machine that happens; ports below the range are never handed out that
+    way (SGLang picks its internal ports the same way).
+    """
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _port_rng.randrange(max(1024, low - 12000), low)
+        if port in _recent_ports:  # handed out moments ago, probably not bound yet
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _recent_ports.append(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # crowded: let the OS pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def table_to_flags(table: Mapping[str, Any], *, section: str,

@@ -63,7 +63,7 @@ def test_config_errors_name_the_field(kwargs, message):
 
 async def test_routes_with_affinity_and_forwards_rl_fields(fake_engine, free_port):
     a, b = await fake_engine("A"), await fake_engine("B")
-    a.generate_delay_s = b.generate_delay_s = 0.3
+    a.generate_delay_s = b.generate_delay_s = 1.0  # all eight are in flight together
     gateway = await launch_gateway(_config(free_port), [a.url, b.url], timeout_s=30)
     try:
         assert {w["url"] for w in await gateway.workers()} == {a.url, b.url}
