@@ -175,8 +175,10 @@ class ServerProcess:
         self.argv = [str(a) for a in argv]
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
-        self.log_path = Path(log_path) if log_path else Path(
-            tempfile.mkstemp(prefix=f"miles-{name}-", suffix=".log")[1])
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"miles-{name}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -241,20 +243,32 @@ class ServerProcess:
                 await asyncio.sleep(interval_s)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM the process group, SIGKILL whatever is left after `grace_s`. Idempotent."""
+        """SIGTERM the process group, SIGKILL whatever is left after `grace_s`. Idempotent.
+
+        Returns the server's exit code (negative: killed by that signal), None if it would not
+        die (uninterruptible sleep): stop() reports that rather than hang.
+        """
         if self.proc is None:
             return None
         _live.discard(self)
-        procs = _members(self.proc.pid)
-        for p in procs:
+        deadline = time.monotonic() + grace_s
+        # Our own child is waited for through Popen (psutil would reap it and lose the code).
+        others = [p for p in _members(self.proc.pid) if p.pid != self.proc.pid]
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        for p in others:
             _signal(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        _, alive = psutil.wait_procs(others, timeout=max(0.0, deadline - time.monotonic()))
         for p in alive:
             _signal(p, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=5.0)
         try:
             return self.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # unkillable (D state): report, do not hang
+        except subprocess.TimeoutExpired:
             return None
 
     async def stop_async(self, grace_s: float = 10.0) -> int | None:
