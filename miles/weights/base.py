@@ -15,6 +15,8 @@ Optional, with defaults that keep the four-method contract whole (only the publi
 - `pause_during_transfer = False` says the engines may keep generating while the buckets move
   (disk-delta: they only read files later). The publisher then runs `prepare(version)` with the
   engines serving, pauses, and runs `commit(version)`: the pause covers only the swap.
+- `sets_version = True` says `finish` already set the version on every engine (the nccl
+  transport's final barrier is `/update_weight_version`), so the publisher skips that call.
 - `checksum_dtype` / `sent_checksums` belong to the check-weights tap (miles/weights/checks.py).
 - `stats` counts what the last publish moved; `close()` releases links (a process group, threads).
 """
@@ -39,6 +41,7 @@ class TransferStats:
 class WeightTransport(ABC):
     is_sender: bool = True
     pause_during_transfer: bool = True
+    sets_version: bool = False
 
     @abstractmethod
     def connect(self, engine_urls: list[str]) -> None:

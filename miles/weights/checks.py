@@ -52,6 +52,10 @@ class ChecksumTap(WeightTransport):
         return self.inner.pause_during_transfer
 
     @property
+    def sets_version(self) -> bool:  # type: ignore[override]
+        return self.inner.sets_version
+
+    @property
     def stats(self) -> TransferStats:
         return self.inner.stats
 

@@ -50,7 +50,6 @@ class ColocatedTransport(WeightTransport):
             raise ValueError(f"connect: transport='colocated' needs one engine per trainer rank "
                              f"(rank r sends to engine_urls[r]); got {len(engine_urls)} engine(s) for "
                              f"{self.world_size} trainer rank(s)")
-        self.device = torch.device("cuda", torch.cuda.current_device())
         self._calls = EngineCalls([self.engine_url], timeout_s=self.cfg.bucket_timeout_s,
                                   name="weights-ipc")
         info = self._calls.call_all("model_info", what="model_info")[0]
@@ -66,7 +65,8 @@ class ColocatedTransport(WeightTransport):
         self._pipeline = SendPipeline(self._send, depth=self.cfg.queue_depth,
                                       timeout_s=self.cfg.bucket_timeout_s, name="weights-ipc-send")
         self._pipeline.start()
-        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device)
+        # Buckets stay on the trainer's GPU (wherever its tensors are): IPC shares device memory.
+        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, None)
 
     def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self._coalescer is None:
@@ -108,6 +108,9 @@ class ColocatedTransport(WeightTransport):
             self._pipeline.abort()
 
     def _send(self, bucket: FlatBucket):
+        if not bucket.flat.is_cuda:
+            raise RuntimeError(f"transport='colocated': the trainer's tensors are on "
+                               f"{bucket.flat.device}, not on a GPU; CUDA IPC shares device memory")
         if bucket.ready is not None:
             bucket.ready.synchronize()  # the flatten is done before the engine reads the memory
         payload = encode_bucket(bucket.flat, bucket.names, bucket.shapes)

@@ -47,6 +47,8 @@ def resolve_group_backend(choice: str) -> str:
 
 
 class NcclTransport(WeightTransport):
+    sets_version = True  # finish() ends with /update_weight_version on every engine
+
     def __init__(self, config: WeightsConfig, *, is_sender: bool = True):
         self.cfg = config
         self.is_sender = is_sender
@@ -71,8 +73,9 @@ class NcclTransport(WeightTransport):
             raise ValueError("connect: engine_urls is empty; the nccl transport needs at least one engine")
         self.engine_urls = list(engine_urls)
         self.backend = resolve_group_backend(self.cfg.group_backend)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-                       else torch.device("cpu"))
+        # gloo sends from host memory; NCCL from wherever the trainer's tensors are (the current
+        # CUDA device is per thread, so it is read off the tensors, not asked for here).
+        self.device = None if self.backend == "nccl" else torch.device("cpu")
         if self._calls is None:
             self._calls = EngineCalls(self.engine_urls, timeout_s=self.cfg.connect_timeout_s,
                                       name="weights-nccl")
@@ -106,8 +109,6 @@ class NcclTransport(WeightTransport):
             world_size=world_size, group_name=cfg.group_name, timeout_s=cfg.connect_timeout_s,
             engine_joins=joins, engine_urls=self.engine_urls)
         self._broken = False
-        if self.backend == "nccl":
-            self._stream = torch.cuda.Stream(self.device)
         log.info("weight-update group %r: %s, %d engine rank(s), joined in %.2f s", cfg.group_name,
                  self.backend, world_size - 1, time.perf_counter() - t0)
 
@@ -191,14 +192,19 @@ class NcclTransport(WeightTransport):
             "update_weights_from_distributed", bucket.names, [bucket.dtype_name] * len(bucket.names),
             bucket.shapes, group_name=cfg.group_name, load_format="flattened_bucket",
             timeout_s=cfg.bucket_timeout_s)
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(bucket.ready)
+        stream = None
+        if bucket.flat.is_cuda:
+            # A side stream that waits only for this bucket's flatten, so a later gather on the
+            # default stream never delays the broadcast.
+            if self._stream is None or self._stream.device != bucket.flat.device:
+                self._stream = torch.cuda.Stream(bucket.flat.device)
+            stream = self._stream
+            with torch.cuda.stream(stream):
+                stream.wait_event(bucket.ready)
                 work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
         else:
             work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
         self._calls.wait(futures, what, cfg.bucket_timeout_s)
-        stream = self._stream
 
         def complete() -> None:
             # Runs one bucket later: bucket k+1 is already queued behind this one on the wire.

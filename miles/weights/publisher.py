@@ -22,8 +22,9 @@ Design decisions:
   whose pause timed out, since it may have paused late); then the failure is raised as one
   `WeightPublishError` that names the version, the step, the transport and the cause, and says
   what the engines now hold.
-- The version is set on every engine with `/update_weight_version` after the transfer, so
-  requests that crossed the update report both versions in their `weight_versions` spans.
+- The version is set on every engine with `/update_weight_version` after the transfer (by the
+  transport itself when it says `sets_version`), so requests that crossed the update report both
+  versions in their `weight_versions` spans.
 - `check_weights` compares every engine parameter's sha256 (`/weights_checksum`) with what the
   trainer sent (checks.py) after the engines are resumed, and raises on the first mismatch.
 """
@@ -137,7 +138,8 @@ class WeightPublisher:
                 await self._in_thread(tr.commit, version, timeout_s=cfg.commit_timeout_s + 30.0,
                                       what="commit")
             step = "version"
-            await self._each("update_weight_version", version, timeout_s=cfg.control_timeout_s)
+            if not tr.sets_version:
+                await self._each("update_weight_version", version, timeout_s=cfg.control_timeout_s)
         except BaseException as e:  # noqa: BLE001 - CancelledError too: engines must resume
             failure = e
             try:

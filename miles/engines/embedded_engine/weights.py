@@ -250,6 +250,8 @@ class UpdateGroups:
             self._apply_flat(weights, previous)
         if bad is not None:
             work.wait()  # drained, so both sides stay in step; then refused
+            if flat.is_cuda:
+                torch.cuda.current_stream(flat.device).synchronize()
             raise bad
 
     def complete_pending(self, weights: Weights) -> None:

@@ -1,0 +1,316 @@
+"""Weight publication: trainer -> embedded engine over the nccl transport, against a raw broadcast.
+
+Prints one JSON line per model:
+  {"bench": "weights", "model", "bytes", "transport", "seconds", "GBps", "raw_broadcast_GBps",
+   "frac_of_raw", "delta_frac", "machine", ...}
+
+- Models: Qwen2-1.5B- and Qwen2-7B-shaped, bf16, random weights built in memory from their
+  configs on the trainer device (no checkpoint). The engine starts from config.json alone
+  (`--load-format dummy`), so a 7B run needs no 15 GB file.
+- `seconds`: one `WeightPublisher.publish` (pause -> every bucket gathered, flattened, broadcast
+  and copied into the engine's parameters -> version barrier -> continue), median of --rounds
+  after one warm-up publish (which creates the NCCL communicator). Engine-side load included:
+  the engine answers the version barrier only once the last bucket is in its weights.
+- `raw_broadcast_GBps`: the same number of bytes broadcast from the trainer process to a bare
+  receiver process on the engine's GPU, in chunks of the bucket size, nothing else; measured in
+  the same run, alternating with the publishes. `frac_of_raw` = GBps / raw_broadcast_GBps.
+- After the timed rounds, every engine parameter's sha256 is compared with the trainer's tensors
+  (`checked`), so the figures are for bytes that really landed.
+- `delta_frac`: one real optimizer step (a forward/backward on random tokens, AdamW lr 1e-6 on fp32
+  master copies, weights rounded back to bf16), then the disk-delta payload (XOR with the previous
+  bytes, zlib level 1, miles/weights/delta_format.py) as a fraction of the full size.
+  `delta_changed_frac` is the fraction of bf16 elements that changed.
+- Default: GPU 0 trainer -> GPU 1 engine, NCCL. `--tiny` (the default without 2 GPUs) is the CPU
+  smoke test: tiny models, gloo, engine on CPU.
+
+Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
+       [--rounds 3] [--tiny] [--no-check] [--no-delta]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from miles.weights.process_group import free_port, init_custom_process_group  # noqa: E402
+
+QWEN2 = dict(model_type="qwen2", max_position_embeddings=32768, rope_theta=1_000_000.0,
+             rms_norm_eps=1e-6, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645)
+MODELS = {
+    "qwen2-1.5b": dict(QWEN2, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "qwen2-7b": dict(QWEN2, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                     tie_word_embeddings=False),
+    "tiny-qwen2": dict(QWEN2, bos_token_id=None, eos_token_id=0, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=512, vocab_size=4096,
+                       tie_word_embeddings=True),
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=4096,
+                       max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
+                       eos_token_id=0),
+}
+
+
+def machine() -> str:
+    gpu = ""
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, "
+    return (f"{gpu}{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__}, "
+            f"python {platform.python_version()}")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- the raw broadcast: a bare receiver process ----------------------------------------------------
+
+def raw_receiver(args) -> None:
+    """--raw-receiver: join the 2-rank group and receive `rounds` x nbytes in chunks."""
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    pg = init_custom_process_group(args.backend, "127.0.0.1", args.port, 2, 1, "raw", 600.0)
+    buf = torch.empty(args.chunk_bytes, dtype=torch.uint8, device=device)
+    tiny = torch.zeros(1, device=device)
+    for _ in range(args.rounds):
+        torch.distributed.broadcast(tiny, src=0, group=pg)  # start together
+        left = args.nbytes
+        while left > 0:
+            n = min(left, args.chunk_bytes)
+            torch.distributed.broadcast(buf[:n], src=0, group=pg)
+            left -= n
+        torch.distributed.broadcast(tiny, src=1, group=pg)  # everything arrived
+        sync(device)
+
+
+class RawBroadcast:
+    def __init__(self, backend: str, trainer_device: torch.device, engine_device: str, nbytes: int,
+                 chunk_bytes: int, rounds: int, log_dir: Path):
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--raw-receiver", "--port", str(port), "--backend", backend,
+             "--device", engine_device, "--nbytes", str(nbytes), "--chunk-bytes", str(chunk_bytes),
+             "--rounds", str(rounds)],
+            stdout=open(log_dir / "raw-receiver.log", "w"), stderr=subprocess.STDOUT)
+        self.pg = init_custom_process_group(backend, "127.0.0.1", port, 2, 0, "raw", 600.0)
+        self.device, self.nbytes, self.chunk_bytes = trainer_device, nbytes, chunk_bytes
+        self.buf = torch.randint(0, 255, (chunk_bytes,), dtype=torch.uint8, device=trainer_device)
+        self.tiny = torch.zeros(1, device=trainer_device)
+
+    def round(self) -> float:
+        dist = torch.distributed
+        dist.broadcast(self.tiny, src=0, group=self.pg)
+        sync(self.device)
+        t = time.perf_counter()
+        left = self.nbytes
+        while left > 0:
+            n = min(left, self.chunk_bytes)
+            dist.broadcast(self.buf[:n], src=0, group=self.pg)
+            left -= n
+        dist.broadcast(self.tiny, src=1, group=self.pg)
+        sync(self.device)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.proc.wait(timeout=60)
+        torch.distributed.destroy_process_group(self.pg)
+
+
+# ---- the trainer side --------------------------------------------------------------------------------
+
+def build_model(name: str, device: torch.device, model_dir: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    fields = dict(MODELS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config.dtype = "bfloat16"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(model_dir)  # all the engine needs with --load-format dummy
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def hf_tensors(model, bucket_bytes: int):
+    from miles.backends.hf_weights import iter_hf_weight_buckets
+    for bucket in iter_hf_weight_buckets(model, bucket_bytes):
+        yield from bucket
+
+
+def run_update_for(model, transport, version: int, bucket_bytes: int):
+    """What FSDPBackend.update_weights does on the sender rank, on a plain (unsharded) model."""
+    from miles.backends.hf_weights import iter_hf_weight_buckets
+
+    def run() -> None:
+        transport.begin(version)
+        for bucket in iter_hf_weight_buckets(model, bucket_bytes):
+            transport.send_bucket(bucket)
+        transport.finish(version)
+    return run
+
+
+async def check_engine(model, url: str, bucket_bytes: int) -> int:
+    from miles.engines.client import EngineClient
+    from miles.weights.checks import compare_checksums, tensor_sha256
+    trainer = {n: tensor_sha256(t) for n, t in hf_tensors(model, bucket_bytes)}
+    async with EngineClient(url, timeout_s=1800) as c:
+        compare_checksums(trainer, await c.weights_checksum(), url=url, version=-1)
+    return len(trainer)
+
+
+def delta_after_one_step(model, device: torch.device, threads: int) -> dict:
+    """One real AdamW step (lr 1e-6, fp32 master, bf16 weights), then the disk-delta payload."""
+    from miles.weights.delta_format import encode_chunks
+    old = {n: t.detach().clone() for n, t in hf_tensors(model, 1 << 30)}
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 256), generator=gen).to(device)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            master = p.detach().float().clone().requires_grad_(True)
+            master.grad = p.grad.float()
+            opt = torch.optim.AdamW([master], lr=1e-6, foreach=False)
+            opt.step()
+            p.copy_(master.detach().to(p.dtype))
+            p.grad = None
+            del master, opt
+    model.eval()
+    sync(device)
+    t = time.perf_counter()
+    full = payload = changed = elements = 0
+    with ThreadPoolExecutor(threads) as pool:
+        for name, new in hf_tensors(model, 1 << 30):
+            a = old.pop(name)
+            changed += int((a.view(torch.int16) != new.view(torch.int16)).sum())
+            elements += new.numel()
+            nb = new.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            ob = a.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            _, chunks = encode_chunks(nb, ob, codec="zlib", level=1, chunk_bytes=64 << 20, pool=pool)
+            full += nb.nbytes
+            payload += sum(len(c) for c, _ in chunks)
+    return {"delta_frac": payload / full, "delta_changed_frac": changed / elements,
+            "delta_payload_bytes": payload, "delta_encode_s": time.perf_counter() - t}
+
+
+async def bench_model(name: str, args, work: Path) -> dict:
+    from miles.engines.embedded import launch_embedded_engine
+    from miles.weights import WeightPublisher, WeightsConfig, make_transport
+
+    trainer_device = torch.device(args.trainer_device)
+    if trainer_device.type == "cuda":
+        torch.cuda.set_device(trainer_device)
+    backend = "nccl" if trainer_device.type == "cuda" else "gloo"
+    model_dir = work / name
+    model = build_model(name, trainer_device, model_dir)
+    nbytes = sum(t.numel() * t.element_size() for _, t in hf_tensors(model, 1 << 30))
+    bucket_bytes = args.bucket_mb << 20
+    engine = await launch_embedded_engine(
+        model_dir, log_path=work / f"engine-{name}.log", ready_timeout_s=900,
+        extra_args=["--device", args.engine_device, "--dtype", "bfloat16", "--load-format", "dummy",
+                    "--skip-tokenizer-init", "--disable-cuda-graph", "--max-total-tokens", "2048",
+                    "--context-length", "2048", "--max-running-requests", "4", "--log-level", "warning",
+                    "--torch-threads", str(max(1, min(8, (os.cpu_count() or 2) // 2)))])
+    raw = None
+    try:
+        cfg = WeightsConfig(transport="nccl", bucket_bytes=bucket_bytes, group_backend=backend,
+                            queue_depth=args.queue_depth, connect_timeout_s=300)
+        transport = make_transport(cfg, rank=0)
+        publisher = WeightPublisher(cfg, [engine.url], transport)
+        await publisher.connect()
+        raw = await asyncio.to_thread(RawBroadcast, backend, trainer_device, args.engine_device, nbytes,
+                                      bucket_bytes, args.rounds + 1, work)
+        await publisher.publish(1, run_update_for(model, transport, 1, bucket_bytes))  # warm-up
+        await asyncio.to_thread(raw.round)
+        pub_s, raw_s, paused = [], [], []
+        for r in range(args.rounds):
+            raw_s.append(await asyncio.to_thread(raw.round))
+            report = await publisher.publish(2 + r, run_update_for(model, transport, 2 + r, bucket_bytes))
+            pub_s.append(report.seconds)
+            paused.append(report.paused_s)
+        checked = 0
+        if not args.no_check:
+            checked = await check_engine(model, engine.url, bucket_bytes)
+        await publisher.close()
+        transport.close()
+    finally:
+        if raw is not None:
+            await asyncio.to_thread(raw.close)
+        await engine.stop_async()
+    seconds, raw_seconds = statistics.median(pub_s), statistics.median(raw_s)
+    out = {"bench": "weights", "model": name, "bytes": nbytes, "transport": "nccl" if backend == "nccl"
+           else "nccl(gloo)", "seconds": seconds, "GBps": nbytes / seconds / 1e9,
+           "raw_broadcast_GBps": nbytes / raw_seconds / 1e9, "frac_of_raw": raw_seconds / seconds,
+           "delta_frac": None, "machine": machine(), "raw_seconds": raw_seconds,
+           "paused_s": statistics.median(paused), "bucket_bytes": bucket_bytes,
+           "buckets": math.ceil(nbytes / bucket_bytes), "rounds": args.rounds,
+           "checked_tensors": checked}
+    if not args.no_delta:
+        out.update(delta_after_one_step(model, trainer_device, args.delta_threads))
+    del model
+    if trainer_device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=None)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test (gloo, tiny models)")
+    p.add_argument("--bucket-mb", type=int, default=None)
+    p.add_argument("--queue-depth", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--trainer-device", default=None)
+    p.add_argument("--engine-device", default=None)
+    p.add_argument("--delta-threads", type=int, default=min(16, os.cpu_count() or 2))
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--no-delta", action="store_true")
+    # the raw receiver (internal)
+    p.add_argument("--raw-receiver", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--backend", help=argparse.SUPPRESS)
+    p.add_argument("--device", help=argparse.SUPPRESS)
+    p.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--chunk-bytes", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.raw_receiver:
+        raw_receiver(args)
+        return
+    tiny = args.tiny or not (torch.cuda.is_available() and torch.cuda.device_count() >= 2)
+    args.models = args.models or ("tiny-qwen2,tiny-qwen3" if tiny else "qwen2-1.5b,qwen2-7b")
+    args.trainer_device = args.trainer_device or ("cpu" if tiny else "cuda:0")
+    args.engine_device = args.engine_device or ("cpu" if tiny else "cuda:1")
+    args.bucket_mb = args.bucket_mb or (1 if tiny else 1024)
+    if tiny:
+        torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="miles-bench-weights-") as tmp:
+        for name in args.models.split(","):
+            print(json.dumps(asyncio.run(bench_model(name, args, Path(tmp)))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
