@@ -31,12 +31,14 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 def default_base_dir() -> str:
-    """$MILES_SANDBOX_DIR, else a directory on /dev/shm when that is a tmpfs, else <tempdir>."""
+    """$MILES_SANDBOX_DIR, else a directory on /dev/shm when that is a tmpfs, else <tempdir>;
+    one per user, so two users' controllers never share (or fight over) a directory."""
     if os.environ.get("MILES_SANDBOX_DIR"):
         return os.path.abspath(os.environ["MILES_SANDBOX_DIR"])
+    name = f"miles-sandboxes-{os.getuid()}"
     if _is_tmpfs("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm/miles-sandboxes"
-    return os.path.join(tempfile.gettempdir(), "miles-sandboxes")
+        return os.path.join("/dev/shm", name)
+    return os.path.join(tempfile.gettempdir(), name)
 
 
 def _is_tmpfs(path: str) -> bool:

@@ -315,7 +315,7 @@ async def test_daytona_mapping_and_harbor_task(engine):
     sdk, calls = fake_daytona(engine)
     backend = get_backend("daytona", sdk=sdk, api_key="k", api_url="http://127.0.0.1:1")
     spec = SandboxSpec(image="debian:bookworm-slim", ttl_s=600, cpu=1.5, memory_mb=1536,
-                       disk_mb=3000, workdir="/work", labels={"miles.run": "r2"})
+                       disk_mb=3000, workdir="/project", labels={"miles.run": "r2"})
     async with await backend.create(spec) as sb:
         r = await sb.exec("echo out; echo err >&2; exit 2")
         assert (r.exit_code, r.stdout, r.stderr) == (2, "out\nerr\n", "")  # merged by Daytona
