@@ -174,6 +174,9 @@ class HostBackend(Backend):
         self.kill_after_s = kill_after_s
         self.build_timeout_s = build_timeout_s
         self.privileged = os.geteuid() == 0
+        if self.privileged:
+            require_binary("setpriv", self.name, "util-linux; the TTL reaper kills as the "
+                                                  "sandbox uid with it")
         self.spawner = SpawnerClient()
         self._templates: dict[str, RootTemplate] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}

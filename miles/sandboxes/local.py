@@ -76,7 +76,6 @@ class SubprocessBackend(HostBackend):
             raise BackendUnavailableError("backend subprocess needs Linux namespaces")
         super().__init__(**opts)
         require_binary("timeout", self.name, "coreutils")
-        require_binary("setpriv", self.name, "util-linux")
 
     def prepare_root(self, root: str, uid: int, template: RootTemplate | None) -> None:
         if not self.privileged:
