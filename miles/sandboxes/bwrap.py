@@ -15,6 +15,9 @@ Design decisions:
   cgroup. `network=True` adds `--share-net`.
 - bubblewrap is a fresh process per exec (about 5 ms); processes do not survive between execs,
   files do. That matches how agent harnesses drive a sandbox (one command per tool call).
+- Without root, bubblewrap runs as the caller's uid with the same namespaces; only RLIMIT_NPROC
+  is left out (it would count all of the user's processes) and kill-by-uid is not used: the pid
+  namespace already ends every process with its exec.
 - Availability is checked by actually running bubblewrap once (`bwrap --ro-bind / / true` under
   the sandbox settings); a kernel without unprivileged user namespaces fails there with bwrap's own
   message instead of on the first episode.

@@ -37,6 +37,7 @@ from miles.sandboxes.hostfs import RootTemplate
 from miles.sandboxes.linux import DEV_NODES
 from miles.sandboxes.spawner import AsUid, Jail
 
+
 class SubprocessSandbox(HostSandbox):
     backend_name = "subprocess"
 
