@@ -21,6 +21,7 @@ import msgspec
 
 from miles.algo.config import LossConfig
 from miles.backends.config import TrainConfig
+from miles.weights.config import WeightsConfig
 from miles.rl.config import (BufferConfig, DataConfig, EngineConfig, EvalConfig, LoggingConfig,
                              LoopConfig, ModelConfig, RolloutConfig, SFTConfig)
 
@@ -88,6 +89,7 @@ class Recipe(Base):
     eval: EvalConfig = _section(EvalConfig)
     sft: SFTConfig = _section(SFTConfig)
     logging: LoggingConfig = _section(LoggingConfig)
+    weights: WeightsConfig = _section(WeightsConfig)
 
     @property
     def output_dir(self) -> Path:

@@ -9,9 +9,12 @@ Design decisions:
   (A) `trainable slots < (version + 1 + max_staleness) * G`: nothing starts that could only be
       trained more than `max_staleness` versions late (`max_staleness = 0` is exactly synchronous
       on-policy RL: the next batch starts only once the new weights are published);
-  (B) `next slot - oldest live slot < (max_staleness + 1) * G`: a slow group holds the window
-      open, so faster groups can overtake it by at most that much. A long trajectory is
-      therefore trained within bounds instead of being overtaken until it is stale (starved).
+  (B) fewer than `(max_staleness + 1) * G` groups (not counting handed-back ones) were admitted
+      after the oldest group still generating: a slow group holds the window, so faster groups
+      overtake it by at most that much, and a long trajectory is trained within bounds instead
+      of being overtaken until it is stale (starved). Completed groups waiting in the queue do
+      not hold the window: they go out in the next batches anyway (holding it on them would
+      deadlock a trainer that needs more groups than are queued).
   Slots of dropped groups are handed back, so dynamic sampling refills the batch.
 - Batches are taken oldest slot first. A group that is nevertheless too stale when taken (it was
   overtaken while retried, say) meets the reject-stale backstop: `buffer.stale_action` decides
@@ -92,6 +95,8 @@ class Buffer(Actor):
         self.next_slot = 0
         self.handed_back = 0          # slots dropped/filtered/stale: never trained
         self.live: set[int] = set()   # admitted slots not yet trained nor handed back
+        self.generating: set[int] = set()   # admitted slots whose group is not back yet
+        self.back_slots: list[int] = []     # handed-back slots above the oldest generating one
         self.queue: list[tuple[int, Group]] = []  # heap by slot
         self.counts = {"kept": 0, "retried": 0, "dropped": 0, "stale": 0, "filtered": 0,
                        "batches": 0, "groups_out": 0}
@@ -124,9 +129,14 @@ class Buffer(Actor):
     def _admissible(self) -> bool:
         window = (self.max_staleness + 1) * self.groups_per_step
         trainable = self.next_slot - self.handed_back
-        oldest = min(self.live) if self.live else self.next_slot
-        return (trainable < (self.version + 1) * self.groups_per_step + window - self.groups_per_step
-                and self.next_slot - oldest < window)
+        if trainable >= (self.version + 1 + self.max_staleness) * self.groups_per_step:
+            return False                                      # rule A
+        if not self.generating:
+            return True
+        oldest = min(self.generating)
+        self.back_slots = [b for b in self.back_slots if b > oldest]
+        overtakers = self.next_slot - oldest - 1 - len(self.back_slots)
+        return overtakers < window                            # rule B
 
     async def on_reserve(self, msg: Reserve) -> Reservation:
         async with self._changed:
@@ -135,13 +145,20 @@ class Buffer(Actor):
             slot = self.next_slot
             self.next_slot += 1
             self.live.add(slot)
+            self.generating.add(slot)
             retry = self.stale_prompts.pop(0) if self.stale_prompts else -1
             return Reservation(slot=slot, version=self.version, retry_prompt=retry)
 
+    def _hand_back(self, slot: int) -> None:
+        self.live.discard(slot)
+        self.generating.discard(slot)
+        self.handed_back += 1
+        self.back_slots.append(slot)
+
     async def _finish(self, slot: int, handed_back: bool) -> None:
         async with self._changed:
-            self.live.discard(slot)
-            self.handed_back += int(handed_back)
+            if handed_back:
+                self._hand_back(slot)
             self._changed.notify_all()
 
     async def on_release_slot(self, msg: ReleaseSlot) -> None:
@@ -168,6 +185,8 @@ class Buffer(Actor):
                 await self._finish(msg.slot, handed_back=True)
             return PutReply(decision=decision.action, reason=decision.reason)
         async with self._changed:
+            self.generating.discard(msg.slot)
+            self._changed.notify_all()
             await self._changed.wait_for(lambda: len(self.queue) < self.capacity_groups)
             heapq.heappush(self.queue, (msg.slot, msg.group))
             self.counts["kept"] += 1
@@ -186,8 +205,7 @@ class Buffer(Actor):
                 if lag > self.max_staleness + 1:  # backstop; admission normally prevents it
                     decision = self.policy.on_stale(group, lag)
                     self.counts["stale"] += 1
-                    self.live.discard(slot)
-                    self.handed_back += 1
+                    self._hand_back(slot)
                     if decision.action == "retry":  # the next reservation regenerates it
                         self.stale_prompts.append(group.prompt_index)
                     self._changed.notify_all()  # the window moved: admission may go on

@@ -94,5 +94,7 @@ class Trainer(Actor):
         return out
 
     async def on_stop(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
         if self.backend is not None:
             self.backend.close()
