@@ -7,13 +7,18 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 
 import pytest
 
-from miles.sandboxes.hostfs import default_base_dir
-from sandbox_helpers import HOST_BACKENDS, make_host_backend
+# The helper modules beside this file (sandbox_helpers, the provider stand-ins) are imported by
+# plain name, which pytest's importlib import mode does not arrange by itself.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from miles.sandboxes.hostfs import default_base_dir  # noqa: E402
+from sandbox_helpers import HOST_BACKENDS, make_host_backend  # noqa: E402
 
 
 @pytest.fixture
