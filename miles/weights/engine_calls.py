@@ -22,6 +22,9 @@ from typing import Any
 from miles.engines.client import EngineClient, EngineError
 
 
+_NO_TIMEOUT_S = 24 * 3600.0
+
+
 class EngineCallError(RuntimeError):
     """An engine refused or failed a control call; the message names the engine and the call."""
 
@@ -36,8 +39,9 @@ class EngineCalls:
         self._clients: list[EngineClient] = self.run(self._make_clients())
 
     async def _make_clients(self) -> list[EngineClient]:
-        # Created on the private loop: aiohttp sessions belong to the loop that made them.
-        return [EngineClient(u, timeout_s=self.timeout_s, weight_update_timeout_s=self.timeout_s,
+        # Created on the private loop: aiohttp sessions belong to the loop that made them. Their
+        # own timeouts are out of the way; every call is bounded by its caller's `timeout_s`.
+        return [EngineClient(u, timeout_s=_NO_TIMEOUT_S, weight_update_timeout_s=_NO_TIMEOUT_S,
                              max_retries=0) for u in self.engine_urls]
 
     def run(self, coro, timeout_s: float | None = None) -> Any:

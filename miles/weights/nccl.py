@@ -54,6 +54,8 @@ class NcclTransport(WeightTransport):
         self.is_sender = is_sender
         self.engine_urls: list[str] = []
         self.backend = ""
+        self.group_name = ""
+        self._joins = 0
         self._pg = None
         self._calls: EngineCalls | None = None
         self._broken = False
@@ -93,23 +95,28 @@ class NcclTransport(WeightTransport):
         ranks = [max(1, int(info.get("tp_size", 1) or 1)) for info in infos]
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         world_size = 1 + sum(ranks)
-        # A previous trainer may have left a group of this name on the engines: drop it first.
-        for fut in calls.submit_all("destroy_weights_update_group", cfg.group_name,
-                                    timeout_s=cfg.control_timeout_s):
-            try:
-                fut.result(cfg.control_timeout_s)
-            except Exception:  # noqa: BLE001 - usually "is not an open group", which is fine
-                pass
+        # A previous trainer (or our own failed group) may have left a group on the engines: drop
+        # it first. A rebuilt group gets a new name, so no stale registration can collide.
+        stale = {cfg.group_name, self.group_name} if self.group_name else {cfg.group_name}
+        for name in stale:
+            for fut in calls.submit_all("destroy_weights_update_group", name,
+                                        timeout_s=cfg.control_timeout_s):
+                try:
+                    fut.result(cfg.control_timeout_s)
+                except Exception:  # noqa: BLE001 - usually "is not an open group", which is fine
+                    pass
+        self.group_name = cfg.group_name if not self._joins else f"{cfg.group_name}.{self._joins}"
+        self._joins += 1
         port = cfg.master_port or free_port(cfg.master_address)
         joins = [calls.submit(i, "init_weights_update_group", cfg.master_address, port, offsets[i],
-                              world_size, group_name=cfg.group_name, backend=self.backend,
+                              world_size, group_name=self.group_name, backend=self.backend,
                               timeout_s=cfg.connect_timeout_s) for i in range(len(self.engine_urls))]
         self._pg = create_group_with_engines(
             backend=self.backend, master_address=cfg.master_address, master_port=port,
-            world_size=world_size, group_name=cfg.group_name, timeout_s=cfg.connect_timeout_s,
+            world_size=world_size, group_name=self.group_name, timeout_s=cfg.connect_timeout_s,
             engine_joins=joins, engine_urls=self.engine_urls)
         self._broken = False
-        log.info("weight-update group %r: %s, %d engine rank(s), joined in %.2f s", cfg.group_name,
+        log.info("weight-update group %r: %s, %d engine rank(s), joined in %.2f s", self.group_name,
                  self.backend, world_size - 1, time.perf_counter() - t0)
 
     def _teardown(self) -> None:
@@ -190,7 +197,7 @@ class NcclTransport(WeightTransport):
                 f"{bucket.nbytes / 2**20:.1f} MiB, first {bucket.names[0]!r})")
         futures = self._calls.submit_all(
             "update_weights_from_distributed", bucket.names, [bucket.dtype_name] * len(bucket.names),
-            bucket.shapes, group_name=cfg.group_name, load_format="flattened_bucket",
+            bucket.shapes, group_name=self.group_name, load_format="flattened_bucket",
             timeout_s=cfg.bucket_timeout_s)
         stream = None
         if bucket.flat.is_cuda:
@@ -219,6 +226,13 @@ class NcclTransport(WeightTransport):
         return complete
 
     def close(self) -> None:
+        if self._calls is not None and self.group_name:
+            for fut in self._calls.submit_all("destroy_weights_update_group", self.group_name,
+                                              timeout_s=self.cfg.control_timeout_s):
+                try:  # best effort: the engines may be gone already
+                    fut.result(self.cfg.control_timeout_s)
+                except Exception:  # noqa: BLE001
+                    pass
         if self._pg is not None:
             destroy_group(self._pg)
             self._pg = None
