@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,9 +58,9 @@ MODELS = {
     "qwen2-7b": dict(QWEN2, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
                      tie_word_embeddings=False),
-    "tiny-qwen2": dict(QWEN2, bos_token_id=None, eos_token_id=0, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=512, vocab_size=4096,
-                       tie_word_embeddings=True),
+    "tiny-qwen2": dict(QWEN2, bos_token_id=None, eos_token_id=0, hidden_size=256,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=512, vocab_size=4096, tie_word_embeddings=True),
     "tiny-qwen3": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=4096,
                        max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,

@@ -6,8 +6,6 @@ so a failure names what broke.
 
 from __future__ import annotations
 
-import pytest
-
 from miles.tiny import build_tiny_model
 from weights_helpers import run_ranks, with_engines
 

@@ -236,7 +236,8 @@ async def test_check_weights_names_the_first_differing_parameter(engines):
     with pytest.raises(WeightsMismatch, match=r"version 2 on engine .*1 of 2 parameters differ .* first: b "):
         await pub.publish(2, run_update(tap, 2))
     fakes[1].checksums = {**good, "c": "1" * 64}
-    with pytest.raises(WeightsMismatch, match=r"1 engine parameters were not sent by the trainer, e.g. \['c'\]"):
+    with pytest.raises(WeightsMismatch,
+                       match=r"1 engine parameters were not sent by the trainer, e.g. \['c'\]"):
         await pub.publish(3, run_update(tap, 3))
     # check_weights needs the tap that make_transport adds.
     plain = WeightPublisher(WeightsConfig(check_weights=True, **FAST), [fakes[0].url], Recording(log))
