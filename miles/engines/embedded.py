@@ -24,8 +24,11 @@ Design decisions (details in miles/engines/embedded_engine/*):
   masking) of the forward the token was sampled from (sampling.py explains why).
 - Weight updates: `/update_weights_from_disk`, `/update_weights_from_tensor` (base64 safetensors,
   never pickle), `/init_weights_update_group` + `/update_weights_from_distributed` (gloo on CPU,
-  NCCL on CUDA; the trainer's rank 0 broadcasts), `/update_weight_version`; plus our
-  `/weights_checksum` extension (weights.py).
+  NCCL on CUDA; the trainer's rank 0 broadcasts; `load_format: "flattened_bucket"` receives one
+  flat buffer per call, pipelined), `/update_weight_version`; plus our extensions
+  `/weights_checksum`, `/update_weights_from_delta` (disk-delta, delta.py) and CUDA IPC buckets
+  (`load_format: "miles_cuda_ipc"`, weights.py). `--load-format dummy` skips the checkpoint's
+  weights (benchmarks of the update paths).
 - What it does not do: tensor/data parallelism (tp_size = dp_size = 1), prefix/radix caching
   (`cached_tokens` is always 0), grammars, penalties, speculative decoding, LoRA, multimodal
   input; those get a 400 that says so.

@@ -9,7 +9,10 @@ Design decisions:
 - `/update_weights_from_tensor` on SGLang carries pickled CUDA-IPC handles. We never unpickle
   bytes from the network: here each element of `serialized_named_tensors` is the base64 of a
   safetensors file (`safetensors.torch.save(named_tensors)`), one element per TP rank (we have
-  one). `encode_tensor_payload` in miles/engines/client.py builds it.
+  one). `encode_tensor_payload` in miles/engines/client.py builds it. With `load_format:
+  "miles_cuda_ipc"` it is instead the JSON description of one CUDA IPC handle of a flat bucket
+  (miles/weights/cuda_ipc.py: the fields of torch's reduce_tensor, no pickle), for a trainer on
+  the same GPU.
 - The distributed group is built exactly like SGLang's `init_custom_process_group` (a tcp://
   rendezvous, a `PrefixStore(group_name, store)`, `_new_process_group_helper`), so the trainer side
   can be the same helper on either engine: trainer rank 0 is the group's rank 0 and the store
