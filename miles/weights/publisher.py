@@ -152,7 +152,7 @@ class WeightPublisher:
                 resume_error = await self._resume()
                 resumed_at = time.perf_counter()
         if failure is not None:
-            if isinstance(failure, asyncio.CancelledError):
+            if not isinstance(failure, Exception):  # cancelled, interrupted: as it came
                 raise failure
             raise WeightPublishError(self._failure_message(version, step, failure, resume_error),
                                      version=version, step=step) from failure
