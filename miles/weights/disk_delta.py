@@ -61,6 +61,8 @@ class DiskDeltaTransport(WeightTransport):
         self._writer: DeltaWriter | None = None
         self._error: BaseException | None = None
         self.engine_dtype = torch.float32
+        self.delta_dir: Path | None = None
+        self.last_manifest = None
 
     def connect(self, engine_urls: list[str]) -> None:
         if not self.is_sender:
@@ -76,13 +78,16 @@ class DiskDeltaTransport(WeightTransport):
 
     # ---- trainer side: write the delta -------------------------------------------------------
 
+    # `delta_dir` is the directory of the version being published; `last_manifest` the manifest
+    # of the last one written (its payload_bytes / full_bytes is the delta fraction).
+
     def begin(self, version: int) -> None:
         if self._calls is None:
             raise RuntimeError("begin: the disk_delta transport is not connected; call connect(engine_urls)")
         self._stats, self._error = TransferStats(), None
         base_version = self._base_version if self._base else None
-        self._dir = version_dir(self.root, version, prefix="delta-v")
-        self._writer = DeltaWriter(self._dir, version=version, base_version=base_version,
+        self.delta_dir = version_dir(self.root, version, prefix="delta-v")
+        self._writer = DeltaWriter(self.delta_dir, version=version, base_version=base_version,
                                    codec=self.cfg.delta_codec)
         self._pool = ThreadPoolExecutor(self.cfg.delta_threads, thread_name_prefix="weights-delta")
         self._next: dict[str, np.ndarray] = {}
@@ -133,9 +138,9 @@ class DiskDeltaTransport(WeightTransport):
 
     def prepare(self, version: int) -> None:
         try:
-            self._calls.call_all("update_weights_from_delta", "prepare", str(self._dir),
+            self._calls.call_all("update_weights_from_delta", "prepare", str(self.delta_dir),
                                  weight_version=str(version), timeout_s=self.cfg.prepare_timeout_s,
-                                 what=f"version {version}: prepare delta {self._dir}")
+                                 what=f"version {version}: prepare delta {self.delta_dir}")
         except EngineCallError:
             self._discard()
             raise

@@ -247,14 +247,14 @@ async def moe_async(rank: RankInfo, out: dict) -> None:
     await asyncio.to_thread(backend.train, samples)
 
     def corrupt(t):
-        data = sorted((t._dir).glob("data-*.bin"), key=lambda p: p.stat().st_size)[-1]
+        data = sorted(t.delta_dir.glob("data-*.bin"), key=lambda p: p.stat().st_size)[-1]
         raw = bytearray(data.read_bytes())
         for i in range(len(raw) // 3, len(raw) // 3 + 64):
             raw[i] ^= 0x5A
         data.write_bytes(bytes(raw))
 
     def truncate(t):
-        data = sorted((t._dir).glob("data-*.bin"), key=lambda p: p.stat().st_size)[-1]
+        data = sorted(t.delta_dir.glob("data-*.bin"), key=lambda p: p.stat().st_size)[-1]
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
 
     for name, damage in (("corrupted", corrupt), ("truncated", truncate)):
