@@ -278,8 +278,10 @@ class Gateway:
         result = await self._request("POST", path, json=dict(body or {}), params={
             "selector": selector}, expect=(200, 207), timeout_s=timeout_s)
         if result.get("failed") and not allow_partial:
+            failures = "; ".join(f"{f.get('url')}: {f.get('error')} {f.get('message', '')}"
+                                 for f in result["failed"])
             raise GatewayError(f"fanout {engine_path}: {len(result['failed'])} of "
-                               f"{result.get('total')} engines failed: {result['failed']}")
+                               f"{result.get('total')} engines failed: {failures}")
         return result
 
     async def _request(self, method: str, path: str, *, json: Any = None,

@@ -55,6 +55,7 @@ class FakeEngine:
     url: str
     requests: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     generate_delay_s: float = 0.0
+    failing_paths: set[str] = field(default_factory=set)  # control paths that answer 500
 
     def calls(self, path: str) -> list[Any]:
         """Bodies of the requests received on `path`."""
@@ -92,6 +93,9 @@ def _fake_app(engine: FakeEngine, dp_size: int) -> web.Application:
 
     async def control(request):
         await record(request)
+        if request.path in engine.failing_paths:
+            return web.json_response({"success": False, "message": f"{engine.name} failed"},
+                                     status=500)
         return web.json_response({"success": True, "status": "ok", "message": engine.name})
 
     app = web.Application()
@@ -141,11 +145,12 @@ def sglang_wheel() -> SGLangWheel:
     pattern = f"sglang-{SGLANG_WHEEL_VERSION}-*.whl"
     if not list(cache.glob(pattern)):
         # One fixed platform, so every machine reads the same files (only .py files are used).
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary",
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--timeout", "30",
+               "--retries", "2", "--only-binary",
                ":all:", "--platform", "manylinux_2_34_x86_64", "--python-version", "3.11",
                f"sglang=={SGLANG_WHEEL_VERSION}", "-d", str(cache)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             error = done.stderr.strip().splitlines()[-1:] if done.returncode else None
         except (OSError, subprocess.TimeoutExpired) as e:
             error = [repr(e)]

@@ -140,6 +140,13 @@ async def test_fanout_reaches_each_engine_once(fake_engine, free_port):
         for engine in (a, b):
             assert engine.calls("/pause_generation") == [{"mode": "in_place"}]
             assert engine.calls("/continue_generation") == [{}]
+        # One engine failing a control call is an error, unless the caller accepts partial.
+        b.failing_paths.add("/update_weights_from_disk")
+        body = {"model_path": "/ckpt/3", "weight_version": "3"}
+        with pytest.raises(GatewayError, match=rf"1 of 2 engines failed: {b.url}: .*HTTP 500"):
+            await gateway.fanout("update_weights_from_disk", body)
+        partial = await gateway.fanout("update_weights_from_disk", body, allow_partial=True)
+        assert partial["succeeded"] == 1 and len(partial["failed"]) == 1
     finally:
         gateway.stop()
 
