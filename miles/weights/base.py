@@ -17,12 +17,16 @@ Optional, with defaults that keep the four-method contract whole (only the publi
   engines serving, pauses, and runs `commit(version)`: the pause covers only the swap.
 - `sets_version = True` says `finish` already set the version on every engine (the nccl
   transport's final barrier is `/update_weight_version`), so the publisher skips that call.
+- `send_gate`: a transport that sets `uses_send_gate = True` promises to touch no engine before
+  `send_gate.wait()` returns; the publisher then starts the gather at once and opens the gate
+  when every engine has paused, so the first buckets are gathered while the engines pause.
 - `checksum_dtype` / `sent_checksums` belong to the check-weights tap (miles/weights/checks.py).
 - `stats` counts what the last publish moved; `close()` releases links (a process group, threads).
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -38,10 +42,37 @@ class TransferStats:
     payload_bytes: int = 0  # bytes actually written/sent (a delta is smaller than `bytes`)
 
 
+class GateClosed(RuntimeError):
+    """The publisher closed the send gate (the engines could not be paused): send nothing."""
+
+
+class SendGate:
+    """Opened by the publisher once every engine is paused, or closed with the reason."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.error: BaseException | None = None
+
+    def open(self) -> None:
+        self._event.set()
+
+    def close(self, reason: str) -> None:
+        self.error = GateClosed(reason)
+        self._event.set()
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._event.wait(timeout_s):
+            raise TimeoutError(f"the engines were not paused within {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+
+
 class WeightTransport(ABC):
     is_sender: bool = True
     pause_during_transfer: bool = True
     sets_version: bool = False
+    uses_send_gate: bool = False
+    send_gate: SendGate | None = None
 
     @abstractmethod
     def connect(self, engine_urls: list[str]) -> None:

@@ -56,6 +56,18 @@ class ChecksumTap(WeightTransport):
         return self.inner.sets_version
 
     @property
+    def uses_send_gate(self) -> bool:  # type: ignore[override]
+        return self.inner.uses_send_gate
+
+    @property
+    def send_gate(self):  # type: ignore[override]
+        return self.inner.send_gate
+
+    @send_gate.setter
+    def send_gate(self, gate) -> None:
+        self.inner.send_gate = gate
+
+    @property
     def stats(self) -> TransferStats:
         return self.inner.stats
 

@@ -25,6 +25,8 @@ from miles.weights.engine_calls import EngineCalls
 
 
 class ColocatedTransport(WeightTransport):
+    uses_send_gate = True   # no engine call before the publisher has paused them all
+
     def __init__(self, config: WeightsConfig, *, rank: int = 0, world_size: int = 1):
         self.cfg = config
         self.rank, self.world_size = rank, world_size
@@ -108,6 +110,8 @@ class ColocatedTransport(WeightTransport):
             self._pipeline.abort()
 
     def _send(self, bucket: FlatBucket):
+        if self.send_gate is not None:
+            self.send_gate.wait(self.cfg.pause_timeout_s + 30.0)
         if not bucket.flat.is_cuda:
             raise RuntimeError(f"transport='colocated': the trainer's tensors are on "
                                f"{bucket.flat.device}, not on a GPU; CUDA IPC shares device memory")

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.base import GateClosed, TransferStats, WeightTransport
 from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline
 from miles.weights.config import WeightsConfig
 from miles.weights.engine_calls import EngineCalls
@@ -47,7 +47,8 @@ def resolve_group_backend(choice: str) -> str:
 
 
 class NcclTransport(WeightTransport):
-    sets_version = True  # finish() ends with /update_weight_version on every engine
+    sets_version = True     # finish() ends with /update_weight_version on every engine
+    uses_send_gate = True   # no engine call before the publisher has paused them all
 
     def __init__(self, config: WeightsConfig, *, is_sender: bool = True):
         self.cfg = config
@@ -166,6 +167,7 @@ class NcclTransport(WeightTransport):
                 self._pipeline.drain()
                 self._stats.buckets = self._coalescer.buckets
                 self._stats.payload_bytes = self._stats.bytes
+                self._wait_gate()  # (no bucket at all: still not before the pause)
                 # The barrier: every engine completes its last bucket before it answers.
                 self._calls.call_all("update_weight_version", str(version),
                                      what=f"version {version}: final barrier",
@@ -187,12 +189,18 @@ class NcclTransport(WeightTransport):
             self._error = error
         if self._pipeline is not None:
             self._pipeline.abort()
-        self._teardown()
+        if not isinstance(error, GateClosed):  # nothing was sent then: the group is intact
+            self._teardown()
 
     # ---- the sender thread -------------------------------------------------------------------
 
+    def _wait_gate(self) -> None:
+        if self.send_gate is not None:
+            self.send_gate.wait(self.cfg.pause_timeout_s + 30.0)
+
     def _send(self, bucket: FlatBucket):
         cfg, pg = self.cfg, self._pg
+        self._wait_gate()
         what = (f"version {self._version} bucket {bucket.index} ({len(bucket.names)} tensors, "
                 f"{bucket.nbytes / 2**20:.1f} MiB, first {bucket.names[0]!r})")
         futures = self._calls.submit_all(

@@ -15,6 +15,9 @@ Design decisions:
   `run_update` is a callable that runs `backend.update_weights(transport, version)` on this rank
   (the other trainer ranks run theirs at the same time, the gather is collective); it is blocking
   torch code, so it runs in a worker thread and the event loop keeps serving heartbeats.
+- Transports that promise not to touch an engine before a gate opens (nccl, colocated) start
+  gathering at once; the gate opens when every engine has paused. The pause round trip and the
+  first buckets' gather overlap instead of adding up.
 - Every step has its own timeout (WeightsConfig). A thread cannot be killed: when `run_update`
   overruns, the publisher abandons the version (the transport tears its link down, which also
   unblocks the thread) and reports it.
@@ -40,7 +43,7 @@ from typing import Any
 import msgspec
 
 from miles.engines.client import EngineClient, EngineError
-from miles.weights.base import WeightTransport
+from miles.weights.base import SendGate, WeightTransport
 from miles.weights.checks import DTYPES, WeightsMismatch, compare_checksums
 from miles.weights.config import WeightsConfig
 from miles.weights.factory import make_transport  # noqa: F401 - the public entry point lives here too
@@ -61,7 +64,7 @@ class PublishReport(msgspec.Struct, kw_only=True):
     transport: str
     seconds: float          # the whole publish() call
     paused_s: float         # engines paused (pause answered -> continue answered)
-    transfer_s: float       # run_update
+    transfer_s: float       # run_update (with a send gate it starts together with the pause)
     prepare_s: float = 0.0  # disk_delta: engines decoding while they serve
     check_s: float = 0.0
     tensors: int = 0
@@ -114,15 +117,33 @@ class WeightPublisher:
         step, failure = "pause", None
         paused_at = resumed_at = None
         transfer_s = prepare_s = 0.0
+        gated = tr.pause_during_transfer and tr.uses_send_gate
         try:
+            t = time.perf_counter()
+            transfer = None
+            if gated:  # gather the first buckets while the engines pause
+                tr.send_gate = SendGate()
+                transfer = asyncio.ensure_future(self._in_thread(
+                    run_update, timeout_s=cfg.transfer_timeout_s,
+                    what=f"run_update (gather + send of version {version})"))
             if tr.pause_during_transfer:
                 paused_at = time.perf_counter()
-                await self._pause(version)
+                try:
+                    await self._pause(version)
+                except BaseException:
+                    if transfer is not None:  # it sends nothing now, but must finish (collective)
+                        tr.send_gate.close(f"version {version}: the engines could not be paused")
+                        await asyncio.gather(transfer, return_exceptions=True)
+                    raise
                 paused_at = time.perf_counter()
+                if transfer is not None:
+                    tr.send_gate.open()
             step = "transfer"
-            t = time.perf_counter()
-            await self._in_thread(run_update, timeout_s=cfg.transfer_timeout_s,
-                                  what=f"run_update (gather + send of version {version})")
+            if transfer is None:
+                t = time.perf_counter()
+                transfer = self._in_thread(run_update, timeout_s=cfg.transfer_timeout_s,
+                                           what=f"run_update (gather + send of version {version})")
+            await transfer
             transfer_s = time.perf_counter() - t
             if not tr.pause_during_transfer:
                 step = "prepare"
@@ -147,6 +168,8 @@ class WeightPublisher:
             except BaseException as ae:  # noqa: BLE001
                 log.warning("abandoning version %d: %r", version, ae)
         finally:
+            if gated:
+                tr.send_gate = None
             resume_error = None
             if paused_at is not None:
                 resume_error = await self._resume()

@@ -11,7 +11,7 @@ import torch
 from aiohttp import web
 
 from miles.weights import WeightPublisher, WeightPublishError, WeightsConfig
-from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.base import GateClosed, TransferStats, WeightTransport
 from miles.weights.checks import ChecksumTap, WeightsMismatch, tensor_sha256
 
 FAST = dict(pause_timeout_s=1.0, control_timeout_s=1.0, transfer_timeout_s=2.0, check_timeout_s=1.0,
@@ -97,6 +97,21 @@ class Recording(WeightTransport):
 
     def abandon(self, version):
         self._step("abandon")
+
+
+class Gated(Recording):
+    """Gathers before the engines are paused; touches them only after the gate opens."""
+
+    uses_send_gate = True
+
+    def send_bucket(self, named_tensors):
+        self.log.append(("transport", "gathered", None))
+        try:
+            self.send_gate.wait(5.0)
+        except GateClosed as e:
+            self.log.append(("transport", f"gate closed: {e}", None))
+            return
+        self._step("bucket")
 
 
 def run_update(tr, version=1):
@@ -243,4 +258,26 @@ async def test_check_weights_names_the_first_differing_parameter(engines):
     plain = WeightPublisher(WeightsConfig(check_weights=True, **FAST), [fakes[0].url], Recording(log))
     with pytest.raises(ValueError, match="needs a transport built by make_transport"):
         await plain.publish(4, lambda: None)
+    await pub.close()
+
+
+async def test_a_gated_transport_gathers_while_the_engines_pause(engines):
+    fakes, log = engines
+    tr = Gated(log)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    await pub.publish(1, run_update(tr))
+    order = steps(log)
+    # The gather may start before the pause answers; nothing reaches an engine before it has.
+    assert order.index("bucket") > order.index("pause_generation")
+    assert order[-2:] == ["update_weight_version", "continue_generation"]
+    assert tr.send_gate is None  # the gate belongs to one publish
+    # Pause refused: the gate closes, the gather still runs to its end (collective), nothing is sent.
+    log.clear()
+    fakes[0].fail["/pause_generation"] = 400
+    with pytest.raises(WeightPublishError) as err:
+        await pub.publish(2, run_update(tr, 2))
+    assert err.value.step == "pause"
+    whats = [what for _, what, _ in log]
+    assert "finish" in whats and "bucket" not in whats
+    assert any(w.startswith("gate closed: version 2: the engines could not be paused") for w in whats)
     await pub.close()
