@@ -115,7 +115,8 @@ class NcclTransport(WeightTransport):
         self._pg = create_group_with_engines(
             backend=self.backend, master_address=cfg.master_address, master_port=port,
             world_size=world_size, group_name=self.group_name, timeout_s=cfg.connect_timeout_s,
-            engine_joins=joins, engine_urls=self.engine_urls)
+            engine_joins=joins, engine_urls=self.engine_urls,
+            collective_timeout_s=cfg.group_timeout_s)
         self._broken = False
         log.info("weight-update group %r: %s, %d engine rank(s), joined in %.2f s", self.group_name,
                  self.backend, world_size - 1, time.perf_counter() - t0)

@@ -31,25 +31,32 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init_custom_process_group(backend: str, master_address: str, master_port: int, world_size: int,
-                              rank: int, group_name: str, timeout_s: float):
-    """A process group of `world_size` ranks that does not touch the default group."""
+                              rank: int, group_name: str, timeout_s: float,
+                              collective_timeout_s: float | None = None):
+    """A process group of `world_size` ranks that does not touch the default group.
+
+    `timeout_s` bounds the rendezvous (every rank joining); `collective_timeout_s` (default the
+    same) each collective afterwards.
+    """
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
                                                     _world, rendezvous)
-    timeout = timedelta(seconds=timeout_s)
+    join = timedelta(seconds=timeout_s)
     host = f"[{master_address}]" if ":" in master_address else master_address
     store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+                                              timeout=join))
+    store.set_timeout(join)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                      group_name=group_name, timeout=timeout)
+                                      group_name=group_name,
+                                      timeout=timedelta(seconds=collective_timeout_s or timeout_s))
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
 def create_group_with_engines(*, backend: str, master_address: str, master_port: int,
                               world_size: int, group_name: str, timeout_s: float,
-                              engine_joins: list[cf.Future], engine_urls: list[str]):
+                              engine_joins: list[cf.Future], engine_urls: list[str],
+                              collective_timeout_s: float | None = None):
     """Create the group as rank 0 while `engine_joins` (their /init_weights_update_group calls)
     run; returns the group or raises RuntimeError naming what went wrong."""
     box: dict = {}
@@ -57,7 +64,7 @@ def create_group_with_engines(*, backend: str, master_address: str, master_port:
     def create():
         try:
             box["pg"] = init_custom_process_group(backend, master_address, master_port, world_size,
-                                                  0, group_name, timeout_s)
+                                                  0, group_name, timeout_s, collective_timeout_s)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             box["error"] = e
 
