@@ -92,6 +92,7 @@ class Buffer(Actor):
     def __init__(self, name: str = "buffer"):
         super().__init__(name)
         self.version = 0
+        self.base_version: int | None = None  # the version slot 0 was admitted at
         self.next_slot = 0
         self.handed_back = 0          # slots dropped/filtered/stale: never trained
         self.live: set[int] = set()   # admitted slots not yet trained nor handed back
@@ -129,7 +130,8 @@ class Buffer(Actor):
     def _admissible(self) -> bool:
         window = (self.max_staleness + 1) * self.groups_per_step
         trainable = self.next_slot - self.handed_back
-        if trainable >= (self.version + 1 + self.max_staleness) * self.groups_per_step:
+        steps_published = self.version - (self.base_version or 0)
+        if trainable >= (steps_published + 1 + self.max_staleness) * self.groups_per_step:
             return False                                      # rule A
         if not self.generating:
             return True
@@ -139,6 +141,8 @@ class Buffer(Actor):
         return overtakers < window                            # rule B
 
     async def on_reserve(self, msg: Reserve) -> Reservation:
+        if self.base_version is None:  # a warm-start or a resume need not start at version 0
+            self.base_version = self.version
         async with self._changed:
             await asyncio.wait_for(self._changed.wait_for(self._admissible),
                                    msg.timeout_s or None)

@@ -24,6 +24,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 from typing import Any
@@ -53,6 +54,7 @@ class RolloutWorker(Actor):
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
         self.engine_idle_s = 0.0
+        self.recent_rewards: collections.deque = collections.deque(maxlen=512)
         self.counts = {"groups_started": 0, "groups_put": 0, "samples": 0, "samples_failed": 0,
                        "tokens_generated": 0, "retries": 0}
 
@@ -164,6 +166,8 @@ class RolloutWorker(Actor):
                 sample.status, sample.metadata["error"] = "failed", f"reward: {type(e).__name__}: {e}"
         if sample.status == "failed":
             self.counts["samples_failed"] += 1
+        elif isinstance(sample.reward, (int, float)):
+            self.recent_rewards.append(float(sample.reward))
         return sample
 
     async def _reward_group(self, samples: list[Sample]) -> None:
@@ -230,4 +234,6 @@ class RolloutWorker(Actor):
         idle = self.engine_idle_s + (time.monotonic() - self.idle_since if self.idle_since else 0.0)
         out.update({f"rollout/{k}": float(v) for k, v in self.counts.items()})
         out.update({"rollout/inflight": float(self.inflight), "rollout/engine_idle_s": idle})
+        if self.recent_rewards:  # every sample, before the buffer's filter (the batch is biased)
+            out["rollout/reward_recent"] = sum(self.recent_rewards) / len(self.recent_rewards)
         return out

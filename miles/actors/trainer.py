@@ -9,7 +9,8 @@ Design decisions:
 - Weight publication: every rank runs `backend.update_weights(transport, version)` (gathering
   shards is collective); rank 0 alone also owns the engine session around it (pause -> transfer
   -> version -> continue) through `WeightPublisher`.
-- The SFT warm-start is the same `train` call with the loss switched to `loss_type = "sft"`.
+- The SFT warm-start is the same `train` call with the loss switched to `loss_type = "sft"` and
+  the learning rate to `sft.lr`.
 """
 
 from __future__ import annotations
@@ -40,16 +41,21 @@ class Trainer(Actor):
         self.rank = RankInfo.from_env()
         self.backend = make_backend(r.train.backend)
         await asyncio.to_thread(self.backend.init, r.train, self.rank, r.algo)
-        self.rl_loss = r.algo
+        self.rl_loss, self.rl_cfg = r.algo, r.train
         self.sft_loss = msgspec.structs.replace(r.algo, loss_type="sft")
+        self.sft_cfg = msgspec.structs.replace(r.train, lr=r.sft.lr, min_lr=min(r.train.min_lr, r.sft.lr),
+                                               old_logprobs="auto")
 
     async def _run(self, fn, *args):
         async with self.lock:
             return await asyncio.to_thread(fn, *args)
 
     async def on_train_step(self, msg: TrainStep) -> TrainResult:
-        loss = self.sft_loss if msg.phase == "sft" else self.rl_loss
-        self.backend.loss_cfg = loss
+        sft = msg.phase == "sft"
+        # The backend reads its loss and schedule config at every step: the warm-start swaps in
+        # the SFT loss and `sft.lr`, RL steps use `algo` and `train` as the recipe gives them.
+        self.backend.loss_cfg = self.sft_loss if sft else self.rl_loss
+        self.backend.cfg = self.sft_cfg if sft else self.rl_cfg
         metrics = await self._run(self.backend.train, msg.samples)
         return TrainResult(metrics={k: float(v) for k, v in metrics.items()})
 
@@ -96,5 +102,7 @@ class Trainer(Actor):
     async def on_stop(self) -> None:
         if self.publisher is not None:
             await self.publisher.close()
+        if getattr(self, "transport", None) is not None:
+            await asyncio.to_thread(self.transport.close)
         if self.backend is not None:
             self.backend.close()

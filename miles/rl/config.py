@@ -40,7 +40,7 @@ class DataConfig(Section):
     path: str = ""                    # .jsonl / .parquet rows with prompt, label, metadata
     eval_path: str = ""
     sft_path: str = ""                # prompt/label rows for the supervised warm-start
-    task: str = ""                    # or a built-in synthetic task: "addition"
+    task: str = ""                    # or a built-in synthetic task: "sort_digits" | "addition"
     source: str = ""                  # or "module:function" returning a DataSource
     prompt_key: str = "prompt"
     label_key: str = "label"

@@ -15,7 +15,6 @@ import msgspec
 from miles.rl.data import FileSource
 from miles.rl.rewards import load_function
 
-TASKS = {"addition": "miles.rl.tasks:make_task"}
 
 
 def prepare_recipe(recipe):
@@ -28,10 +27,9 @@ def prepare_recipe(recipe):
     if model.path and not train.model_path:
         train = msgspec.structs.replace(train, model_path=model.path)
     if data.task and not data.path:
-        if data.task not in TASKS:
-            raise ValueError(f"data.task = {data.task!r}: expected one of {sorted(TASKS)}")
+        from miles.rl.tasks import make_task
         out = Path(recipe.output_dir) / "data"
-        load_function(TASKS[data.task], "data.task")(out, seed=recipe.run.seed)
+        make_task(out, data.task, seed=recipe.run.seed)
         data = msgspec.structs.replace(
             data, path=str(out / "train.jsonl"), eval_path=data.eval_path or str(out / "test.jsonl"),
             sft_path=data.sft_path or str(out / "sft.jsonl"))

@@ -1,0 +1,124 @@
+"""Sync vs fully-async RL with heavy-tailed response lengths, same hardware and samples per step.
+
+Prints one JSON line per mode:
+  {"bench": "async_rl", "mode", "step_s", "trainer_idle_frac", "engine_idle_frac", "avg_staleness",
+   "speedup_vs_sync", "final_reward", "machine", ...}
+
+Each run is the real loop (`miles run`, the quickstart recipe with overrides): embedded engines
+behind smg, FSDP2, weights published after every step. Response lengths are drawn per sample from
+a log-normal (median `--median-tokens`, sigma 1, capped at 10x the median) by a rollout-worker
+plug-in that sets `max_new_tokens` and `ignore_eos`, so a few samples are ~10x longer than most:
+the straggler pattern of agentic and reasoning rollouts.
+
+  .venv/bin/python bench/async_rl.py [--steps 8] [--median-tokens 24] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from miles.actors.rollout import RolloutWorker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class HeavyTailWorker(RolloutWorker):
+    """Draws each sample's length from a log-normal; generation ignores EOS to reach it."""
+
+    async def generate_sample(self, sample, seed):
+        opts = self.recipe.actors["rollout"].options
+        median, cap = int(opts.get("median_tokens", 24)), int(opts.get("cap_factor", 10))
+        rng = np.random.default_rng(seed)
+        length = int(min(median * cap, max(1, round(median * rng.lognormal(0.0, 1.0)))))
+        saved = self.cfg
+        self.cfg = _with(saved, max_new_tokens=length)
+        try:
+            sample = await super().generate_sample(sample, seed)
+        finally:
+            self.cfg = saved
+        return sample
+
+
+def _with(cfg, **changes):
+    import msgspec
+    return msgspec.structs.replace(cfg, **changes)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(mode: str, args, out: Path) -> dict:
+    sets = {
+        "run.output_dir": json.dumps(str(out)), "run.name": json.dumps(f"async_rl_{mode}"),
+        "loop.mode": json.dumps(mode), "loop.num_steps": args.steps, "loop.max_staleness": 2,
+        "loop.groups_per_step": args.groups, "loop.eval_every": 0, "loop.save_every": 0, "loop.resume": "false",
+        "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": args.median_tokens * 10,
+        "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": 5,
+        "engine.device": json.dumps(args.device), "engine.max_running_requests": 256,
+        "engine.context_length": 4096, "cluster.head_port": _port(), "logging.progress": "false",
+        "eval.mode": json.dumps("off"),
+        "actors.rollout": '{class = "async_rl:HeavyTailWorker", options = {median_tokens = %d}}' % args.median_tokens,
+    }
+    if args.device == "cuda":
+        sets.update({"engine.dtype": json.dumps("bfloat16"), "train.param_dtype": json.dumps("bfloat16")})
+    cmd = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml")]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    actors = [r for r in rows if r["kind"] == "actors"]
+    # Steady state: from the end of step 1 to the end of the last step (start-up and the first
+    # batch, identical for both modes, are excluded).
+    span = train[-1]["time_s"] - train[0]["time_s"]
+    steps = len(train) - 1
+    last, first = actors[-1], actors[0]
+    trainer_idle = last["buffer/trainer_wait_s"] - first["buffer/trainer_wait_s"]
+    engine_idle = last["rollout/engine_idle_s"] - first["rollout/engine_idle_s"]
+    return {"bench": "async_rl", "mode": mode, "step_s": round(span / steps, 3),
+            "trainer_idle_frac": round(min(1.0, trainer_idle / span), 3),
+            "engine_idle_frac": round(min(1.0, engine_idle / span), 3),
+            "avg_staleness": round(float(np.mean([r["batch/staleness_avg"] for r in train])), 3),
+            "final_reward": round(float(np.mean([r["rollout/reward"] for r in train[-3:]])), 3),
+            "samples_per_step": args.groups * 4, "steps": len(train), "wall_s": round(wall, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--median-tokens", type=int, default=24)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--timeout-s", type=float, default=1200)
+    args = ap.parse_args()
+    machine = f"{platform.machine()} {os.cpu_count()} cpu" + (
+        f", {args.device}" if args.device != "cpu" else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {mode: run_mode(mode, args, Path(tmp) / mode) for mode in ("sync", "fully_async")}
+    for mode, res in results.items():
+        res["speedup_vs_sync"] = round(results["sync"]["step_s"] / res["step_s"], 2)
+        res["machine"] = machine
+        print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
