@@ -51,7 +51,7 @@ class ClusterConfig(Base):
     host: str = "127.0.0.1"           # address this node binds and advertises (launcher sets it)
     head_port: int = 29650            # the registry on the head node
     heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 10.0  # no heartbeat for this long: the actor is killed and restarted
+    liveness_timeout_s: float = 30.0  # no heartbeat for this long: the actor is killed and restarted
     shutdown_grace_s: float = 10.0    # SIGTERM -> SIGKILL for children at shutdown
     start_timeout_s: float = 120.0    # an actor must register within this
 

@@ -125,8 +125,10 @@ class LoopDriver(Actor):
         from miles.rl.sources import make_source, tokenizer_for
 
         r = self.recipe
-        tok = tokenizer_for(r.model.path)
-        source = make_source(r, split="sft")
+        # Loading a tokenizer imports transformers: seconds on a cold machine. Off the event loop,
+        # or this actor misses its heartbeats.
+        tok = await asyncio.to_thread(tokenizer_for, r.model.path)
+        source = await asyncio.to_thread(make_source, r, "sft")
         t0 = time.monotonic()
         for i in range(r.sft.steps):
             samples = []
