@@ -68,7 +68,7 @@ def run_mode(mode: str, args, out: Path) -> dict:
         "loop.groups_per_step": args.groups, "loop.eval_every": 0, "loop.save_every": 0, "loop.resume": "false",
         "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": args.median_tokens * 10,
         "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": 5,
-        "engine.device": json.dumps(args.device), "engine.max_running_requests": 256,
+        "engine.device": json.dumps(args.engine_device or args.device), "engine.max_running_requests": 256,
         "engine.context_length": 4096, "cluster.head_port": _port(), "logging.progress": "false",
         "eval.mode": json.dumps("off"),
         "actors.rollout": '{class = "async_rl:HeavyTailWorker", options = {median_tokens = %d}}' % args.median_tokens,
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--median-tokens", type=int, default=24)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--engine-device", default=None, help="e.g. cuda:1 (NCCL needs distinct GPUs)")
     ap.add_argument("--timeout-s", type=float, default=1200)
     args = ap.parse_args()
     machine = f"{platform.machine()} {os.cpu_count()} cpu" + (

@@ -14,7 +14,7 @@ for part in "$@"; do
     engine)   timeout ${T_ENGINE:-300} python3 bench/engine.py 2>&1 | tee "$OUT/engine.log" | grep '^{' > "$OUT/engine.jsonl" ;;
     train)    timeout ${T_TRAIN:-270} python3 bench/train.py 2>&1 | tee "$OUT/train.log" | grep '^{' > "$OUT/train.jsonl" ;;
     weights)  timeout ${T_WEIGHTS:-300} python3 bench/weights.py --no-check 2>&1 | tee "$OUT/weights.log" | grep '^{' > "$OUT/weights.jsonl" ;;
-    async_rl) timeout ${T_ASYNC:-450} python3 bench/async_rl.py --device cuda --steps 8 2>&1 | tee "$OUT/async_rl.log" | grep '^{' > "$OUT/async_rl.jsonl" ;;
+    async_rl) timeout ${T_ASYNC:-450} python3 bench/async_rl.py --device cuda --engine-device cuda:1 --steps ${ASYNC_STEPS:-8} 2>&1 | tee "$OUT/async_rl.log" | grep '^{' > "$OUT/async_rl.jsonl" ;;
   esac
   echo "== $part rc=$?"; tail -5 "$OUT/$part.log" 2>/dev/null
 done
