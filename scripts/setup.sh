@@ -13,6 +13,6 @@ stamp="$VENV/.miles-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q "torch==2.13.0"
-    "$PY" -m pip install -q -e ".[dev]"
+    "$PY" -m pip install -q -e ".[dev,cloud]"
     touch "$stamp"
 fi

@@ -88,6 +88,7 @@ class RolloutWorker(Actor):
     async def on_start_rollout(self, msg: StartRollout) -> None:
         if msg.data_state:
             self.source.restore(msg.data_state)
+        print(f"starting at data position {self.source.state().get('position', '?')}", flush=True)
         if not self._running:
             self._running = True
             self._loop_task = asyncio.get_running_loop().create_task(self._admit_loop())

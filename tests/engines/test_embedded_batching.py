@@ -50,16 +50,19 @@ async def test_joining_mid_flight_gives_the_same_tokens(url):
         alone_greedy = await c.generate(prompt, greedy, return_logprob=True)
         alone_seeded = await c.generate(prompt, seeded)
         background = [asyncio.create_task(c.generate([7 + i] * (3 + 5 * i), {
-            "max_new_tokens": 150, "ignore_eos": True})) for i in range(8)]
-        await asyncio.sleep(0.3)  # the batch is decoding now
-        assert not all(t.done() for t in background)
+            "max_new_tokens": 600, "ignore_eos": True})) for i in range(8)]
+        for _ in range(200):  # wait until the batch is decoding (not a fixed sleep: load varies)
+            if (await c.get_load())[0]["num_reqs"] == 8:
+                break
+            await asyncio.sleep(0.01)
+        assert not any(t.done() for t in background)
         joined_greedy, joined_seeded = await asyncio.gather(c.generate(prompt, greedy, return_logprob=True),
                                                             c.generate(prompt, seeded))
         done = await asyncio.gather(*background)
     assert joined_greedy.output_ids == alone_greedy.output_ids
     assert max(abs(a - b) for a, b in zip(joined_greedy.output_logprobs, alone_greedy.output_logprobs)) < 1e-4
     assert joined_seeded.output_ids == alone_seeded.output_ids
-    assert all(len(r.output_ids) == 150 for r in done)
+    assert all(len(r.output_ids) == 600 for r in done)
 
 
 async def test_stop_tokens_min_new_tokens_and_eos(url):

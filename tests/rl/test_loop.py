@@ -50,15 +50,60 @@ def records(out, kind):
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if f'"kind": "{kind}"' in l]
 
 
-@pytest.mark.slow
 def test_quickstart_learns(tmp_path):
-    code, log, out = run_recipe(tmp_path, "qs", ["loop.num_steps=12", "loop.eval_every=0", "loop.save_every=0"])
+    """The README's main job, shortened: held-out reward goes up, every step publishes a version."""
+    code, log, out = run_recipe(tmp_path, "qs", ["loop.num_steps=24", "loop.eval_every=0",
+                                                 "loop.save_every=0"])
     assert code == 0, log[-3000:]
     evals = records(out, "eval")
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 12
-    assert evals[-1]["eval/reward"] > evals[0]["eval/reward"] + 0.1, evals
+    assert [e["step"] for e in evals] == [0, 24]
+    assert evals[-1]["eval/reward"] >= evals[0]["eval/reward"] + 0.1, evals
     train = records(out, "train")
-    assert [r["step"] for r in train] == list(range(1, 13))
-    assert all(r["version"] == r["step"] + 1 for r in train)      # SFT published version 1
-    assert all(r["batch/staleness_avg"] <= 2 for r in train)
+    assert [r["step"] for r in train] == list(range(1, 25))
+    assert all(r["version"] == r["step"] + 1 for r in train)      # the warm-start published version 1
+    assert all(r["batch/staleness_avg"] <= 2 for r in train)       # loop.max_staleness
     assert (out / "reward_curve.png").stat().st_size > 1000
+
+
+def test_sync_and_fully_async_at_staleness_0_make_the_same_updates(tmp_path):
+    common = ["loop.num_steps=3", "loop.eval_every=0", "loop.save_every=0", "eval.mode=\"off\"",
+              "loop.groups_per_step=4", "buffer.filter=\"none\""]
+    runs = {}
+    for mode, extra in (("sync", ['loop.mode="sync"']), ("async0", ['loop.mode="fully_async"', "loop.max_staleness=0"])):
+        code, log, out = run_recipe(tmp_path, mode, [*common, *extra])
+        assert code == 0, log[-3000:]
+        runs[mode] = records(out, "train")
+    for a, b in zip(runs["sync"], runs["async0"], strict=True):
+        assert a["rollout/reward"] == b["rollout/reward"]
+        assert a["batch/staleness_avg"] == b["batch/staleness_avg"] == 0
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+
+
+def test_sigint_then_resume_continues_at_the_step_and_data_position(tmp_path):
+    overrides = ["loop.num_steps=6", "loop.save_every=2", "loop.eval_every=0", "eval.mode=\"off\""]
+    out = tmp_path / "resume"
+    ckpt = out / "checkpoints" / "step_000004" / "loop_state.json"
+    args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
+            "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",
+            "--set", f"cluster.head_port={_free_port()}", *_sets(overrides)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert ckpt.exists(), proc.communicate()[0].decode()[-3000:]
+    os.killpg(proc.pid, signal.SIGINT)                   # Ctrl-C: the run stops mid-flight
+    first_log = proc.communicate(timeout=60)[0].decode()
+    assert "shutting down: signal SIGINT" in first_log
+    saved = json.loads(ckpt.read_text())
+    assert saved["step"] == 4 and saved["data_state"]["position"] > 0
+
+    code, log, _ = run_recipe(tmp_path, "resume", overrides)
+    assert code == 0, log[-3000:]
+    resumed = [l for l in log.splitlines() if "resumed from" in l]
+    assert resumed and "step_000004 at step 4" in resumed[0]
+    assert f"data position {saved['data_state']['position']}" in log
+    steps = [r["step"] for r in records(out, "train")]
+    assert steps[-2:] == [5, 6] and 1 not in steps[4:]         # continued, not restarted
