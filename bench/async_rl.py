@@ -42,7 +42,7 @@ class HeavyTailWorker(RolloutWorker):
         rng = np.random.default_rng(seed)
         length = int(min(median * cap, max(1, round(median * rng.lognormal(0.0, 1.0)))))
         saved = self.cfg
-        self.cfg = _with(saved, max_new_tokens=length)
+        self.cfg = _with(saved, max_new_tokens=length, ignore_eos=True)
         try:
             sample = await super().generate_sample(sample, seed)
         finally:
@@ -64,7 +64,7 @@ def _port() -> int:
 def run_mode(mode: str, args, out: Path) -> dict:
     sets = {
         "run.output_dir": json.dumps(str(out)), "run.name": json.dumps(f"async_rl_{mode}"),
-        "loop.mode": json.dumps(mode), "loop.num_steps": args.steps, "loop.max_staleness": 2,
+        "loop.mode": json.dumps(mode), "loop.num_steps": args.steps, "loop.max_staleness": args.max_staleness,
         "loop.groups_per_step": args.groups, "loop.eval_every": 0, "loop.save_every": 0, "loop.resume": "false",
         "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": args.median_tokens * 10,
         "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": 5,
@@ -99,6 +99,9 @@ def run_mode(mode: str, args, out: Path) -> dict:
             "engine_idle_frac": round(min(1.0, engine_idle / span), 3),
             "avg_staleness": round(float(np.mean([r["batch/staleness_avg"] for r in train])), 3),
             "final_reward": round(float(np.mean([r["rollout/reward"] for r in train[-3:]])), 3),
+            "train_s": round(float(np.mean([r["perf/train_s"] for r in train[1:]])), 3),
+            "publish_s": round(float(np.mean([r["perf/step_s"] - r["perf/train_s"] for r in train[1:]])), 3),
+            "response_len": round(float(np.mean([r["rollout/response_len"] for r in train])), 1),
             "samples_per_step": args.groups * 4, "steps": len(train), "wall_s": round(wall, 1)}
 
 
@@ -106,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--median-tokens", type=int, default=24)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--engine-device", default=None, help="e.g. cuda:1 (NCCL needs distinct GPUs)")

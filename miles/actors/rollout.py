@@ -201,7 +201,8 @@ class RolloutWorker(Actor):
         cfg = self.cfg
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                 top_p=cfg.top_p, top_k=cfg.top_k, sampling_seed=seed,
-                                stop_token_ids=cfg.stop_token_ids or None)
+                                stop_token_ids=cfg.stop_token_ids or None,
+                                ignore_eos=cfg.ignore_eos or None)
         result = await self.client.generate(sample.tokens.tolist(), params, return_logprob=True,
                                             return_routed_experts=cfg.return_routed_experts,
                                             routing_key=sample.group_id,

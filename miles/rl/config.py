@@ -57,6 +57,7 @@ class RolloutConfig(Section):
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: list[int] = []
+    ignore_eos: bool = False
     return_routed_experts: bool = False  # R3: record the experts each token was routed to
     reward: str = "math"              # built-in name or "module:function"
     reward_batched: bool = False      # call the reward once per group with all its samples

@@ -7,6 +7,7 @@ actor then reads from the resolved recipe (`model.path`, `train.model_path`, `da
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -78,5 +79,11 @@ def with_default_actors(recipe):
         if role == "rollout":
             cls = recipe.rollout.worker
         if role not in actors:
-            actors[role] = ActorSpec(cls=cls, **extra)
+            env = {}
+            if role == "trainer" and recipe.engine.device == "cpu" and recipe.engine.kind == "embedded":
+                # CPU engines and the trainer share the cores: give the trainer what the engines
+                # leave, or OpenMP's spinning threads fight the engines (training ran 5x slower).
+                engine_threads = recipe.engine.num_engines * recipe.engine.torch_threads
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) - engine_threads))
+            actors[role] = ActorSpec(cls=cls, env=env, **extra)
     return msgspec.structs.replace(recipe, actors=actors)
