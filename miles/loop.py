@@ -70,7 +70,8 @@ class LoopDriver(Actor):
                 await self.checkpoint(step, version)
 
         await self.rollout.call(StopRollout())
-        await self.checkpoint(r.loop.num_steps, version)
+        if not (r.loop.save_every and r.loop.num_steps % r.loop.save_every == 0):
+            await self.checkpoint(r.loop.num_steps, version)
         await self.evaluate(r.loop.num_steps, version, wait=True)
         await asyncio.gather(*self.pending_evals)
         png = self.log.close(plot=r.logging.plot)

@@ -87,7 +87,7 @@ def plot_rewards(run_dir: str | Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
-        ax.plot(*zip(*train), label="train reward (rollout samples)", alpha=0.7)
+        ax.plot(*zip(*train), label="train batch reward (kept groups, sampled)", alpha=0.7)
     if evals:
         ax.plot(*zip(*evals), "o-", label="held-out reward (greedy)", linewidth=2)
     ax.set_xlabel("RL step")
