@@ -238,9 +238,9 @@ async def test_llama3_family_session_against_a_real_engine(llama_model_dir, tmp_
             prefix = req["input_ids"] + ans["output_ids"]
             assert nxt["input_ids"][:len(prefix)] == prefix
             appended = tok.decode(nxt["input_ids"][len(prefix):])
-            # A turn the engine ended itself (a stop token: <|eot_id|> or another EOS id of the
-            # family) needs no bridge; a turn cut by max_tokens is closed by the bridge first.
-            if ans["meta_info"]["finish_reason"]["type"] == "stop":
+            # A turn that ended on <|eot_id|> or <|eom_id|> needs no bridge; any other ending (a
+            # length cut, <|end_of_text|>) is closed by the bridge's <|eot_id|> first.
+            if tok.decode(ans["output_ids"][-1:]) in ("<|eot_id|>", "<|eom_id|>"):
                 assert appended.startswith("<|start_header_id|>ipython<|end_header_id|>")
             else:
                 assert appended.startswith("<|eot_id|><|start_header_id|>ipython")
