@@ -130,6 +130,18 @@ class RolloutWorker(Actor):
             task.add_done_callback(self._tasks_groups.discard)
 
     async def _run_group(self, prompt: Prompt, slot: int, attempt: int) -> None:
+        try:
+            await self._generate_group(prompt, slot, attempt)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never leak a reserved slot: the buffer would wait for it forever
+            print(f"group for prompt {prompt.index} failed: {type(e).__name__}: {e}", flush=True)
+            try:
+                await self.buffer.call(ReleaseSlot(slot=slot, reason=f"{type(e).__name__}: {e}"))
+            except Exception:
+                pass
+
+    async def _generate_group(self, prompt: Prompt, slot: int, attempt: int) -> None:
         group_id = f"p{prompt.index}-a{attempt}-{uuid.uuid4().hex[:6]}"
         prompt_ids = self.tokenize_prompt(prompt)
         samples = await asyncio.gather(*(
