@@ -49,7 +49,8 @@ class LoopDriver(Actor):
         await self.connect()
         step, version, data_state = await self.resume_or_warm_start()
         self.log = MetricsLogger(r.output_dir, r.logging, r.loop.num_steps, r.run.name, resume=step > 0)
-        self.log.bar.update(step) if self.log.bar else None
+        if self.log.bar is not None:
+            self.log.bar.update(step)  # a resumed run shows the steps it already has
         await self.evaluate(step, version, wait=True)
         await self.buffer.call(SetVersion(version=version))
         await self.rollout.call(StartRollout(data_state=data_state))
