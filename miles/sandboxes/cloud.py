@@ -22,8 +22,8 @@ import shlex
 import time
 from typing import Any
 
-from miles.sandboxes.base import (BackendUnavailableError, ExecResult, timed_out_from,
-                                  timeout_argv)
+from miles.sandboxes.base import (BackendUnavailableError, ExecResult, Sandbox, SandboxSpec,
+                                  timed_out_from, timeout_argv)
 
 SANDBOX_LABEL = "miles.sandbox"
 BACKSTOP_GRACE_S = 10.0
@@ -69,3 +69,12 @@ def result(exit_code: int | None, stdout: str | bytes | None, stderr: str | byte
     return ExecResult(code, out, err,
                       timed_out=timed_out or timed_out_from(code, elapsed, timeout_s),
                       duration_s=elapsed, truncated=t1 or t2)
+
+
+class CloudSandbox(Sandbox):
+    """A provider's sandbox object (`handle`) behind our contract; subclasses map `_exec` & co."""
+
+    def __init__(self, backend: Any, handle: Any, spec: SandboxSpec, workdir: str, sandbox_id: str):
+        super().__init__(sandbox_id, spec, workdir=workdir, default_timeout_s=backend.default_timeout_s)
+        self.backend = backend
+        self.handle = handle

@@ -41,20 +41,17 @@ import shlex
 import time
 from typing import Any, Mapping
 
-from miles.sandboxes.base import (Backend, ExecResult, Sandbox, SandboxCreateError, SandboxSpec,
+from miles.sandboxes.base import (Backend, ExecResult, SandboxCreateError, SandboxSpec,
                                   SandboxSpecError, check, sandbox_path)
-from miles.sandboxes.cloud import (provider_labels, remote_command, require_sdk, result,
-                                   sdk_timeout_s)
+from miles.sandboxes.cloud import (CloudSandbox, provider_labels, remote_command, require_sdk,
+                                   result, sdk_timeout_s)
 
 
-class DaytonaSandbox(Sandbox):
+class DaytonaSandbox(CloudSandbox):
     backend_name = "daytona"
 
-    def __init__(self, backend: "DaytonaBackend", handle: Any, spec: SandboxSpec, workdir: str):
-        super().__init__(handle.id, spec, workdir=workdir,
-                         default_timeout_s=backend.default_timeout_s)
-        self.backend = backend
-        self.handle = handle
+    def __init__(self, backend: Any, handle: Any, spec: SandboxSpec, workdir: str):
+        super().__init__(backend, handle, spec, workdir, sandbox_id=handle.id)
 
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:

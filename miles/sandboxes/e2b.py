@@ -36,20 +36,17 @@ import shlex
 import time
 from typing import Any, Mapping
 
-from miles.sandboxes.base import (Backend, ExecResult, Sandbox, SandboxCreateError,
+from miles.sandboxes.base import (Backend, ExecResult, SandboxCreateError,
                                   SandboxSpec, SandboxSpecError, check)
-from miles.sandboxes.cloud import (provider_labels, remote_command, require_sdk, result,
-                                   sdk_timeout_s)
+from miles.sandboxes.cloud import (CloudSandbox, provider_labels, remote_command, require_sdk,
+                                   result, sdk_timeout_s)
 
 
-class E2BSandbox(Sandbox):
+class E2BSandbox(CloudSandbox):
     backend_name = "e2b"
 
-    def __init__(self, backend: "E2BBackend", handle: Any, spec: SandboxSpec, workdir: str):
-        super().__init__(handle.sandbox_id, spec, workdir=workdir,
-                         default_timeout_s=backend.default_timeout_s)
-        self.backend = backend
-        self.handle = handle
+    def __init__(self, backend: Any, handle: Any, spec: SandboxSpec, workdir: str):
+        super().__init__(backend, handle, spec, workdir, sandbox_id=handle.sandbox_id)
 
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:

@@ -36,17 +36,14 @@ from typing import Any, Mapping
 
 from miles.sandboxes.base import (Backend, ExecResult, Sandbox, SandboxCreateError, SandboxSpec,
                                   SandboxSpecError, check, timeout_argv)
-from miles.sandboxes.cloud import provider_labels, require_sdk, result, sdk_timeout_s
+from miles.sandboxes.cloud import CloudSandbox, provider_labels, require_sdk, result, sdk_timeout_s
 
 
-class ModalSandbox(Sandbox):
+class ModalSandbox(CloudSandbox):
     backend_name = "modal"
 
-    def __init__(self, backend: "ModalBackend", handle: Any, spec: SandboxSpec, workdir: str):
-        super().__init__(handle.object_id, spec, workdir=workdir,
-                         default_timeout_s=backend.default_timeout_s)
-        self.backend = backend
-        self.handle = handle
+    def __init__(self, backend: Any, handle: Any, spec: SandboxSpec, workdir: str):
+        super().__init__(backend, handle, spec, workdir, sandbox_id=handle.object_id)
 
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:

@@ -324,4 +324,7 @@ if __name__ == "__main__":
         suite(arg, out_path, with_options=True)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
+    # Leave together: a rank tearing gloo down while its peer is still mid-collective or already
+    # gone aborted now and then under load ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()

@@ -156,7 +156,9 @@ async def test_64_sessions_progress_without_blocking_each_other(stack):
         for _ in range(2):
             async with http.post(s["openai_base_url"] + "/chat/completions",
                                  json={**chat_body, "messages": msgs, "max_tokens": max_tokens,
-                                       "ignore_eos": ignore_eos}) as r:
+                                       "ignore_eos": ignore_eos,
+                                       # a forced length: the turn's stop token must not end it early
+                                       "min_tokens": max_tokens if ignore_eos else 0}) as r:
                 assert r.status == 200, await r.text()
                 msgs += [(await r.json())["choices"][0]["message"], {"role": "user", "content": "more"}]
         return s["session_id"], time.monotonic()
@@ -167,7 +169,7 @@ async def test_64_sessions_progress_without_blocking_each_other(stack):
     results = await asyncio.gather(*(run(i, 6) for i in range(64)))
     fast_done = max(t for _, t in results)
     slow_id, slow_done = await slow
-    assert fast_done < slow_done
+    assert fast_done < slow_done, (fast_done - t0, slow_done - t0)
     stats = await (await http.get(f"{url}/stats")).json()
     assert stats["inflight_max"] >= 16
     engines_used = collections.Counter()
