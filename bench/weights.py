@@ -23,8 +23,12 @@ Prints one JSON line per model:
 - Default: GPU 0 trainer -> GPU 1 engine, NCCL. `--tiny` (the default without 2 GPUs) is the CPU
   smoke test: tiny models, gloo, engine on CPU.
 
+- `--variants 1024:3,1024:1`: several (bucket MiB, inflight_buckets) settings timed one after the
+  other against the same engine, one JSON line each; the timeline fields say where the time went
+  (`first_post_s`: gather of the first bucket; `bucket_gap_ms_median`: between completions).
+
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
-       [--rounds 3] [--tiny] [--no-check] [--no-delta]
+       [--inflight 3] [--variants 1024:3,1024:1] [--rounds 3] [--tiny] [--no-check] [--no-delta]
 """
 
 from __future__ import annotations
@@ -216,7 +220,19 @@ def delta_after_one_step(model, device: torch.device, threads: int) -> dict:
             "delta_payload_bytes": payload, "delta_encode_s": time.perf_counter() - t}
 
 
-async def bench_model(name: str, args, work: Path) -> dict:
+def timeline_summary(transport) -> dict:
+    """Where the last publish's transfer time went (seconds since the transport's begin)."""
+    rows = sorted(transport.timeline)
+    if not rows:
+        return {}
+    done = [r[4] for r in rows]
+    gaps = [b - a for a, b in zip(done, done[1:])]
+    return {"first_post_s": round(rows[0][2], 5), "last_complete_s": round(done[-1], 5),
+            "bucket_gap_ms_median": round(1e3 * statistics.median(gaps), 3) if gaps else None,
+            "answer_lag_ms_median": round(1e3 * statistics.median(r[3] - r[2] for r in rows), 3)}
+
+
+async def bench_model(name: str, args, work: Path) -> list[dict]:
     from miles.engines.embedded import launch_embedded_engine
     from miles.weights import WeightPublisher, WeightsConfig, make_transport
 
@@ -234,46 +250,61 @@ async def bench_model(name: str, args, work: Path) -> dict:
                     "--skip-tokenizer-init", "--disable-cuda-graph", "--max-total-tokens", "2048",
                     "--context-length", "2048", "--max-running-requests", "4", "--log-level", "warning",
                     "--torch-threads", str(max(1, min(8, (os.cpu_count() or 2) // 2)))])
+    variants = [(int(b) << 20, int(i)) for b, i in (v.split(":") for v in args.variants.split(","))] \
+        if args.variants else [(bucket_bytes, args.inflight)]
     raw = None
+    outs = []
+    version = 1
     try:
-        cfg = WeightsConfig(transport="nccl", bucket_bytes=bucket_bytes, group_backend=backend,
-                            queue_depth=args.queue_depth, connect_timeout_s=300)
+        cfg = WeightsConfig(transport="nccl", bucket_bytes=variants[0][0], group_backend=backend,
+                            queue_depth=args.queue_depth, inflight_buckets=variants[0][1],
+                            connect_timeout_s=300)
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
         raw = await asyncio.to_thread(RawBroadcast, backend, trainer_device, args.engine_device, nbytes,
-                                      bucket_bytes, args.rounds + 1, work)
-        await publisher.publish(1, run_update_for(model, transport, 1, bucket_bytes))  # warm-up
-        await asyncio.to_thread(raw.round)
-        pub_s, raw_s, paused = [], [], []
-        for r in range(args.rounds):
-            raw_s.append(await asyncio.to_thread(raw.round))
-            report = await publisher.publish(2 + r, run_update_for(model, transport, 2 + r, bucket_bytes))
-            pub_s.append(report.seconds)
-            paused.append(report.paused_s)
-        checked = 0
+                                      bucket_bytes, len(variants) * (args.rounds + 1), work)
+        for vb, vi in variants:
+            # the transport reads both at every begin()
+            cfg.bucket_bytes, cfg.inflight_buckets = vb, vi
+            await publisher.publish(version, run_update_for(model, transport, version, vb))  # warm-up
+            version += 1
+            await asyncio.to_thread(raw.round)
+            pub_s, raw_s, paused = [], [], []
+            for r in range(args.rounds):
+                raw_s.append(await asyncio.to_thread(raw.round))
+                report = await publisher.publish(version, run_update_for(model, transport, version, vb))
+                version += 1
+                pub_s.append(report.seconds)
+                paused.append(report.paused_s)
+            seconds, raw_seconds = statistics.median(pub_s), statistics.median(raw_s)
+            outs.append({
+                "bench": "weights", "model": name, "bytes": nbytes,
+                "transport": "nccl" if backend == "nccl" else "nccl(gloo)", "seconds": seconds,
+                "GBps": nbytes / seconds / 1e9, "raw_broadcast_GBps": nbytes / raw_seconds / 1e9,
+                "frac_of_raw": raw_seconds / seconds, "delta_frac": None, "machine": machine(),
+                "raw_seconds": raw_seconds, "paused_s": statistics.median(paused),
+                "bucket_bytes": vb, "inflight_buckets": vi, "buckets": math.ceil(nbytes / vb),
+                "ordered_calls": transport._ordered, "rounds": args.rounds, "checked_tensors": 0,
+                **timeline_summary(transport)})
         if not args.no_check:
             checked = await check_engine(model, engine.url, bucket_bytes)
+            for out in outs:
+                out["checked_tensors"] = checked
         await publisher.close()
         transport.close()
     finally:
         if raw is not None:
             await asyncio.to_thread(raw.close)
         await engine.stop_async()
-    seconds, raw_seconds = statistics.median(pub_s), statistics.median(raw_s)
-    out = {"bench": "weights", "model": name, "bytes": nbytes, "transport": "nccl" if backend == "nccl"
-           else "nccl(gloo)", "seconds": seconds, "GBps": nbytes / seconds / 1e9,
-           "raw_broadcast_GBps": nbytes / raw_seconds / 1e9, "frac_of_raw": raw_seconds / seconds,
-           "delta_frac": None, "machine": machine(), "raw_seconds": raw_seconds,
-           "paused_s": statistics.median(paused), "bucket_bytes": bucket_bytes,
-           "buckets": math.ceil(nbytes / bucket_bytes), "rounds": args.rounds,
-           "checked_tensors": checked}
     if not args.no_delta:
-        out.update(delta_after_one_step(model, trainer_device, args.delta_threads))
+        delta = delta_after_one_step(model, trainer_device, args.delta_threads)
+        for out in outs:
+            out.update(delta)
     del model
     if trainer_device.type == "cuda":
         torch.cuda.empty_cache()
-    return out
+    return outs
 
 
 def main() -> None:
@@ -282,6 +313,9 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test (gloo, tiny models)")
     p.add_argument("--bucket-mb", type=int, default=None)
     p.add_argument("--queue-depth", type=int, default=2)
+    p.add_argument("--inflight", type=int, default=3, help="weights.inflight_buckets")
+    p.add_argument("--variants", default="", help="e.g. 1024:3,1024:1,256:3 (bucket MiB:inflight), "
+                   "each timed against the same engine")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--trainer-device", default=None)
     p.add_argument("--engine-device", default=None)
@@ -308,7 +342,8 @@ def main() -> None:
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="miles-bench-weights-") as tmp:
         for name in args.models.split(","):
-            print(json.dumps(asyncio.run(bench_model(name, args, Path(tmp)))), flush=True)
+            for out in asyncio.run(bench_model(name, args, Path(tmp))):
+                print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Design decisions:
 - The gather (the caller's thread, collective across trainer ranks) runs ahead of the wire: it
   hands finished buckets to a sender thread through a queue of `queue_depth` buckets, so the next
   bucket is gathered and flattened while the current one is broadcast. Memory on the trainer is
-  bounded by about (queue_depth + 2) buckets.
+  bounded by about (queue_depth + inflight + 1) buckets.
 - On CUDA each bucket records an event once flattened; the sender's stream waits for that event,
   not for everything queued on the default stream, so a later gather never delays a broadcast.
 - The sender's first failure is kept and raised from the caller's next `put` or from `drain`:
@@ -19,6 +19,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable
@@ -114,14 +115,15 @@ class SendPipeline:
     """A sender thread fed through a bounded queue.
 
     `send(bucket)` runs on the sender thread and returns a completion callable (or None): the
-    pipeline calls it before letting go of the bucket, one bucket later, so the transfer of
-    bucket k overlaps the hand-shake of bucket k+1.
+    pipeline calls it before letting go of the bucket, `inflight` buckets later, so the transfer
+    of bucket k overlaps the hand-shakes of the buckets after it.
     """
 
     send: Callable[[FlatBucket], Callable[[], None] | None]
     depth: int
     timeout_s: float
     name: str = "weights-send"
+    inflight: int = 1
     _queue: queue.Queue = field(init=False)
     _error: BaseException | None = field(default=None, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
@@ -138,18 +140,19 @@ class SendPipeline:
         self._thread.start()
 
     def _run(self) -> None:
-        pending: Callable[[], None] | None = None
+        pending: collections.deque[Callable[[], None] | None] = collections.deque()
         try:
             while True:
                 item = self._queue.get()
                 if isinstance(item, _Stop) or self._aborted:
                     break
-                complete = self.send(item)
-                if pending is not None:
-                    pending()
-                pending = complete
-            if pending is not None and not self._aborted:
-                pending()
+                pending.append(self.send(item))
+                while len(pending) > self.inflight:
+                    if (complete := pending.popleft()) is not None:
+                        complete()
+            while pending and not self._aborted:
+                if (complete := pending.popleft()) is not None:
+                    complete()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             self._error = e
             while True:  # unblock a caller waiting on a full queue

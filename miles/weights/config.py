@@ -55,6 +55,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_backend: GroupBackend = "auto"  # auto: nccl when the trainer has CUDA, else gloo
     group_timeout_s: float = 600.0       # torch-side timeout of each collective in the group
     queue_depth: int = 2                 # buckets gathered ahead of the one on the wire
+    inflight_buckets: int = 3            # buckets on the wire at once (embedded engines; SGLang: 1)
 
     # --- disk / disk_delta ---
     disk_dir: str = ""                   # where versions are written (shared with the engines)
@@ -71,6 +72,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("delta_codec", self.delta_codec, DELTA_CODECS)
         _count("bucket_bytes", self.bucket_bytes, low=1)
         _count("queue_depth", self.queue_depth, low=1)
+        _count("inflight_buckets", self.inflight_buckets, low=1)
         _count("keep_versions", self.keep_versions, low=1)
         _count("delta_chunk_bytes", self.delta_chunk_bytes, low=1)
         _count("delta_threads", self.delta_threads, low=1)

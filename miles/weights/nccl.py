@@ -10,8 +10,12 @@ Design decisions:
   the engine's receive waits for the broadcast. SGLang answers once the bucket is loaded; the
   embedded engine answers as soon as its receive is posted and the previous bucket is copied in,
   so the HTTP hand-shake of bucket k+1 and the copy of bucket k hide behind the transfer of bucket
-  k+1. The next call is never posted before the previous one is answered, so every engine sees
-  the buckets in order.
+  k+1.
+- Order: every engine must post its receives in broadcast order. For SGLang the next call is
+  never posted before the previous one is answered. Embedded engines (`server_info` says
+  `engine: miles-embedded`) take a `bucket_seq` and post receives strictly in that order, so up to
+  `inflight_buckets` calls are in flight at once and no HTTP round trip ever sits between two
+  broadcasts: the link stays busy with back-to-back buckets.
 - `finish` drains the sender and then calls `/update_weight_version` on every engine: that call
   is the barrier after which every engine holds the whole version (on the embedded engine it
   completes the last pipelined bucket; on SGLang it is a no-op barrier), and it reports failures.
@@ -66,6 +70,9 @@ class NcclTransport(WeightTransport):
         self._stream = None
         self._version = -1
         self._error: BaseException | None = None
+        self._ordered = False   # every engine takes `bucket_seq` (several calls in flight)
+        self.timeline: list[tuple[int, int, float, float, float]] = []  # see _send
+        self._t0 = 0.0
 
     # ---- the group ---------------------------------------------------------------------------
 
@@ -94,6 +101,7 @@ class NcclTransport(WeightTransport):
         infos = calls.call_all("server_info", what="server_info (before joining the weight-update "
                                "group)", timeout_s=cfg.connect_timeout_s)
         ranks = [max(1, int(info.get("tp_size", 1) or 1)) for info in infos]
+        self._ordered = all(info.get("engine") == "miles-embedded" for info in infos)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         world_size = 1 + sum(ranks)
         # A previous trainer (or our own failed group) may have left a group on the engines: drop
@@ -143,7 +151,10 @@ class NcclTransport(WeightTransport):
         self._error: BaseException | None = None
         self._stats = TransferStats()
         self._pipeline = SendPipeline(self._send, depth=self.cfg.queue_depth,
-                                      timeout_s=self.cfg.bucket_timeout_s, name="weights-nccl-send")
+                                      timeout_s=self.cfg.bucket_timeout_s, name="weights-nccl-send",
+                                      inflight=self.cfg.inflight_buckets if self._ordered else 1)
+        self.timeline = []
+        self._t0 = time.perf_counter()
         self._pipeline.start()
         self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device)
 
@@ -204,10 +215,12 @@ class NcclTransport(WeightTransport):
         self._wait_gate()
         what = (f"version {self._version} bucket {bucket.index} ({len(bucket.names)} tensors, "
                 f"{bucket.nbytes / 2**20:.1f} MiB, first {bucket.names[0]!r})")
+        t_post = time.perf_counter() - self._t0
+        extra = {"bucket_seq": bucket.index} if self._ordered else {}
         futures = self._calls.submit_all(
             "update_weights_from_distributed", bucket.names, [bucket.dtype_name] * len(bucket.names),
             bucket.shapes, group_name=self.group_name, load_format="flattened_bucket",
-            timeout_s=cfg.bucket_timeout_s)
+            timeout_s=cfg.bucket_timeout_s, **extra)
         stream = None
         if bucket.flat.is_cuda:
             # A side stream that waits only for this bucket's flatten, so a later gather on the
@@ -220,16 +233,26 @@ class NcclTransport(WeightTransport):
                 work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
         else:
             work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
-        self._calls.wait(futures, what, cfg.bucket_timeout_s)
+        answered: list[float] = []
+        for fut in futures:
+            fut.add_done_callback(lambda _f: answered.append(time.perf_counter() - self._t0))
+        if not self._ordered:  # the next call only after this one is answered (see the docstring)
+            self._calls.wait(futures, what, cfg.bucket_timeout_s)
 
         def complete() -> None:
-            # Runs one bucket later: bucket k+1 is already queued behind this one on the wire.
+            # Runs `inflight` buckets later: the buckets after this one are already queued behind
+            # it on the wire.
+            if self._ordered:
+                self._calls.wait(futures, what, cfg.bucket_timeout_s)
             if stream is not None:
                 with torch.cuda.stream(stream):
                     work.wait()
                 stream.synchronize()
             else:
                 work.wait()
+            # (bucket index, bytes, posted, answered, complete), seconds since begin
+            self.timeline.append((bucket.index, bucket.nbytes, t_post, max(answered, default=0.0),
+                                  time.perf_counter() - self._t0))
             bucket.flat = None  # the buffer may go back to the allocator now
 
         return complete

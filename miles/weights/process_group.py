@@ -11,11 +11,16 @@ Design decisions:
   engines that did not answer. A missing peer costs `timeout_s`, not a watchdog's ten minutes.
 - NCCL communicators are created lazily by the first collective on both sides (neither passes a
   `device_id`), because the engines only post their first receive when the first bucket comes.
+- A trainer whose default group is bound to a device (FSDP's eager NCCL init) would otherwise get
+  this group *split off the trainers' communicator* (torch does that for every new NCCL group
+  then): the engines are not in that communicator, so the first broadcast hangs. The binding is
+  hidden while the group is created (`_fresh_communicator`), so it gets a communicator of its own.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import socket
 import threading
 import time
@@ -46,11 +51,27 @@ def init_custom_process_group(backend: str, master_address: str, master_port: in
                                               timeout=join))
     store.set_timeout(join)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                      group_name=group_name,
-                                      timeout=timedelta(seconds=collective_timeout_s or timeout_s))
+    with _fresh_communicator():
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                          group_name=group_name,
+                                          timeout=timedelta(seconds=collective_timeout_s or timeout_s))
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+@contextlib.contextmanager
+def _fresh_communicator():
+    """Hide the default group's device binding, so torch does not split the new group from it."""
+    default = dist.group.WORLD if dist.is_initialized() else None
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
 
 
 def create_group_with_engines(*, backend: str, master_address: str, master_port: int,

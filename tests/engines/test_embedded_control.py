@@ -139,6 +139,48 @@ async def test_distributed_gloo_update_while_paused_in_place(setup):
     assert sums == {n: tensor_sha256(t) for n, t in sd.items()}
 
 
+async def test_flat_buckets_posted_out_of_order_are_received_in_bucket_seq_order(setup):
+    """Calls in flight together (bucket 1 even arrives first): receives follow bucket_seq."""
+    a, b, url = setup
+    sd = state_dict(b)
+    names = sorted(sd)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    flats = [torch.cat([sd[n].reshape(-1) for n in part]) for part in halves]
+    port = free_port()
+    async with EngineClient(url) as c:
+        await reset(c, a, "6")
+        init = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2,
+                                                               group_name="miles_seq", backend="gloo"))
+        pg = await asyncio.to_thread(init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}",
+                                     2, 0, "miles_seq")
+        assert (await init)["success"]
+        try:
+            await c.pause_generation("in_place")
+
+            def call(k):
+                part = halves[k]
+                return asyncio.create_task(c.update_weights_from_distributed(
+                    part, [str(sd[n].dtype) for n in part], [list(sd[n].shape) for n in part],
+                    group_name="miles_seq", load_format="flattened_bucket", bucket_seq=k))
+            second = call(1)
+            await asyncio.sleep(0.2)  # bucket 1's call waits for bucket 0's turn
+            assert not second.done()
+            first = call(0)
+
+            def broadcast():  # the trainer's rank 0: bucket 0, then bucket 1
+                for flat in flats:
+                    dist.broadcast(flat, src=0, group=pg)
+            await asyncio.to_thread(broadcast)
+            assert (await first)["success"] and (await second)["success"]
+            await c.update_weight_version("7")
+            await c.continue_generation()
+            sums = await c.weights_checksum()
+        finally:
+            await c.destroy_weights_update_group("miles_seq")
+            dist.destroy_process_group(pg)
+    assert sums == {n: tensor_sha256(t) for n, t in sd.items()}
+
+
 async def test_update_from_tensor_and_bad_update_leaves_weights(setup):
     a, b, url = setup
     sd_a, sd_b = state_dict(a), state_dict(b)

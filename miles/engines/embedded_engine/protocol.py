@@ -171,6 +171,7 @@ class UpdateWeightsFromDistributedReq(msgspec.Struct):
     load_format: str | None = None
     selector: str = "all"
     torch_empty_cache: bool = False
+    bucket_seq: int | None = None  # Miles extension: receive strictly in this order (0 restarts)
 
 
 class UpdateWeightsFromTensorReq(msgspec.Struct):

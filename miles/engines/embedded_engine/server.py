@@ -5,7 +5,8 @@ Design decisions:
   client, smg and the TITO server cannot tell this engine from SGLang. Extensions are additive and
   named as such: `/weights_checksum`, `/update_weights_from_delta` (disk-delta updates, delta.py),
   `load_format: "miles_cuda_ipc"` on `/update_weights_from_tensor` (colocated CUDA IPC), a
-  pipelined `load_format: "flattened_bucket"` distributed update (weights.py), and extra keys in
+  pipelined `load_format: "flattened_bucket"` distributed update (weights.py) with an optional
+  `bucket_seq` that orders receives so a trainer may keep several calls in flight, and extra keys in
   `/model_info` (`num_hidden_layers`, `num_experts_per_tok`, ...) that let a client decode routed
   experts without reading config.json.
 - Bad input gets a 400 `{"error": {"message", "type", "param", "code"}}` naming the field and value
@@ -41,6 +42,7 @@ from miles.engines.embedded_engine.delta import DeltaUpdates
 log = logging.getLogger(__name__)
 
 ENGINE_VERSION = "0.5.23-miles-embedded"  # SGLang API level we mirror
+BUCKET_TURN_TIMEOUT_S = 300.0  # a bucket_seq waits this long for the bucket before it
 
 
 def _json(data, status: int = 200) -> web.Response:
@@ -73,6 +75,8 @@ class EngineServer:
                                    weight_version=args.weight_version,
                                    detokenize=self._detok if tokenizer is not None else None)
         self.groups = W.UpdateGroups(runner.device)
+        self._bucket_turn = asyncio.Condition()
+        self._bucket_next: dict[str, int] = {}  # group -> the bucket_seq whose turn it is
         self.weights_serial = 0  # bumped by every weight change (a prepared delta checks it)
         self.delta = DeltaUpdates(self)
 
@@ -490,6 +494,7 @@ class EngineServer:
         b = decode_body(await request.read(), P.DestroyWeightsUpdateGroupReq, "destroy_weights_update_group")
         try:
             self.groups.destroy(b.group_name)
+            self._bucket_next.pop(b.group_name, None)
         except ValueError as e:
             return _json({"success": False, "message": str(e)}, 400)
         return _json({"success": True, "message": "Succeeded to destroy custom process group."})
@@ -497,6 +502,32 @@ class EngineServer:
     async def update_weights_from_distributed(self, request) -> web.Response:
         b = decode_body(await request.read(), P.UpdateWeightsFromDistributedReq,
                         "update_weights_from_distributed")
+        if b.bucket_seq is None:
+            return await self._receive(b)
+        # Several calls may be in flight (the trainer does not wait for answers between
+        # broadcasts): receives are posted strictly in bucket_seq order, which is broadcast order.
+        group, seq = b.group_name, b.bucket_seq
+        async with self._bucket_turn:
+            if seq < 0:
+                raise BadRequest(f"bucket_seq: {seq} must be >= 0", "bucket_seq")
+            if seq == 0:
+                self._bucket_next[group] = 0
+            try:
+                await asyncio.wait_for(self._bucket_turn.wait_for(
+                    lambda: self._bucket_next.get(group) == seq), BUCKET_TURN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return _json({"success": False, "message": f"bucket_seq {seq} of group {group!r}: "
+                              f"bucket {seq - 1} never came within {BUCKET_TURN_TIMEOUT_S} s "
+                              f"(next expected: {self._bucket_next.get(group)})"}, 400)
+        try:
+            return await self._receive(b)
+        finally:
+            async with self._bucket_turn:
+                if self._bucket_next.get(group) == seq:
+                    self._bucket_next[group] = seq + 1
+                self._bucket_turn.notify_all()
+
+    async def _receive(self, b: P.UpdateWeightsFromDistributedReq) -> web.Response:
         return await self._update(self.groups.receive, self.runner.model.weights, b.group_name,
                                   b.names, b.dtypes, b.shapes, b.load_format,
                                   weight_version=b.weight_version, abort_all=b.abort_all_requests)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -150,6 +151,18 @@ def _sync(weights: Weights) -> None:
 
 # ---- torch.distributed group (SGLang's init_custom_process_group) ----------------------------
 
+def _release_group(pg) -> None:
+    import torch.distributed as dist
+    try:
+        if dist.get_backend(pg) == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+            _abort_process_group(pg)
+        else:
+            dist.destroy_process_group(pg)
+    except Exception:  # noqa: BLE001 - best effort: the peer may be gone already
+        pass
+
+
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
                               group_name: str, timeout_s: float = 600.0):
     """A process group independent of the default one (trainers already have theirs)."""
@@ -194,15 +207,17 @@ class UpdateGroups:
             backend, f"tcp://{host}:{master_port}", world_size, rank_offset, group_name)
 
     def destroy(self, group_name: str) -> None:
+        """Forget the group at once; its communicator is released on a daemon thread.
+
+        Destroying an NCCL communicator can block (seen: over a minute, the peer still holding
+        its end), and this runs on the server's event loop: the name is free again immediately,
+        and an NCCL group is aborted rather than destroyed (nothing is in flight on it by now)."""
         self.pending.pop(group_name, None)  # never waited for: its sender may be gone
         pg = self.groups.pop(group_name, None)
         if pg is None:
             raise ValueError(f"group_name: {group_name!r} is not an open weight update group")
-        import torch.distributed as dist
-        try:
-            dist.destroy_process_group(pg)
-        except Exception:  # best effort: the peer may be gone already
-            pass
+        threading.Thread(target=_release_group, args=(pg,), name=f"release-{group_name}",
+                         daemon=True).start()
 
     def receive(self, weights: Weights, group_name: str, names: list[str], dtypes: list[str],
                 shapes: list[list[int]], load_format: str | None = None) -> None:
