@@ -120,6 +120,45 @@ def count_flops(model_dir: Path, samples, recompute_pass: bool) -> float:
     return fwd_bwd * (4 / 3 if recompute_pass else 1.0)
 
 
+KERNEL_KINDS = (  # first match wins; by CUDA kernel name
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy/cast", ("copy", "cat", "fill", "to_copy", "memcpy", "memset")),
+    ("reduce", ("reduce", "logsumexp", "softmax", "norm")),
+)
+
+
+def profile_step(backend, samples, path: Path, step_s: float) -> dict:
+    """One step under torch.profiler: kernel time by kind, the top kernels written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train(samples)
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total / 1e6
+    kinds: dict[str, float] = {}
+    for name, sec in kernels.items():
+        low = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)), "elementwise/other")
+        kinds[kind] = kinds.get(kind, 0.0) + sec
+    busy = sum(kernels.values())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        f.write(f"step_s {step_s:.4f}  kernel_s {busy:.4f}\n")
+        for kind, sec in sorted(kinds.items(), key=lambda kv: -kv[1]):
+            f.write(f"{kind:20s} {sec:8.4f} s  {sec / step_s:6.1%} of step\n")
+        f.write("\n")
+        for name, sec in sorted(kernels.items(), key=lambda kv: -kv[1])[:60]:
+            f.write(f"{sec * 1e3:9.2f} ms  {name[:160]}\n")
+        f.write("\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    return {"kernel_s": round(busy, 4), "kernel_s_by_kind": {k: round(v, 4) for k, v in kinds.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["qwen2-1.5b", "tiny"],
@@ -134,6 +173,8 @@ def main() -> None:
     ap.add_argument("--no-master", action="store_true", help="bf16 params, no fp32 master copy")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile norms and MLPs")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="after timing, profile one more step; kernel table written to this file")
     args = ap.parse_args()
     tokens_per_mb = args.microbatch_tokens or (8192 if args.model != "tiny" else 512)
     if tokens_per_mb & (tokens_per_mb - 1):
@@ -169,6 +210,7 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    profile = profile_step(backend, samples, args.profile, step_s) if args.profile and cuda else {}
     tokens = sum(len(s.tokens) for s in samples)
     flops = count_flops(model_dir, samples, args.recompute_pass)
     from miles.backends import attention as packed_attention
@@ -183,6 +225,7 @@ def main() -> None:
         "recompute_pass": args.recompute_pass, "master_fp32": not args.no_master,
         "compile": args.compile,
         "loss": round(metrics["loss"], 6), "grad_norm": round(metrics["grad_norm"], 4),
+        **profile,
     }))
     backend.close()
 
