@@ -135,12 +135,16 @@ class FSDPBackend(TrainingBackend):
             _compile_elementwise_parts(lm)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype if master != self.compute_dtype else None,
                                   reduce_dtype=DTYPES[cfg.reduce_dtype])
-        # Resharding after forward (the default) even with one rank: it costs one more bf16 cast
-        # of the weights in backward (~1% of a step), but no unsharded copy ever outlives a forward
-        # (a no-grad pass, an eval), so sleep, export and state dicts always see the shards.
+        # Resharding after forward saves memory with several ranks and buys nothing with one
+        # (there is nothing to gather from), where it costs a second cast of every weight in
+        # backward (~3% of a step on an H200); so "auto" (None) reshards only with several ranks.
+        # Either way every reader of the shards (sleep, export, state dicts) reshards first.
+        reshard = cfg.reshard_after_forward
+        if reshard is None:
+            reshard = self.rank.world_size > 1
         for layer in lm.model.layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp)
-        fully_shard(policy, mesh=self.mesh, mp_policy=mp)
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(policy, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard)
         return policy
 
     @property
@@ -384,14 +388,26 @@ class FSDPBackend(TrainingBackend):
 
 def _compile_elementwise_parts(lm: torch.nn.Module) -> None:
     """torch.compile (in place, names unchanged) the parts of each decoder layer that eager mode
-    runs as chains of small memory-bound kernels: the RMSNorms and a dense MLP's act(gate) * up.
-    Attention (sample boundaries vary per micro-batch) and MoE blocks (data-dependent expert loops)
-    stay eager; dynamic=True keeps one graph for every micro-batch length."""
+    runs as chains of small memory-bound kernels: the RMSNorms (q/k norms too), a dense MLP's
+    act(gate) * up, and the rotary embedding (transformers' module-level `apply_rotary_pos_emb`,
+    which the attention looks up at call time, is swapped for a compiled wrapper in the model's
+    own modeling module). Attention (sample boundaries vary per micro-batch) and MoE blocks
+    (data-dependent expert loops) stay eager; dynamic=True keeps one graph for every length."""
+    import sys
     for layer in lm.model.layers:
         for name in ("input_layernorm", "post_attention_layernorm"):
             getattr(layer, name).compile(dynamic=True)
+        for name in ("q_norm", "k_norm"):
+            if isinstance(getattr(layer.self_attn, name, None), torch.nn.Module):
+                getattr(layer.self_attn, name).compile(dynamic=True)
         if not hasattr(layer.mlp, "experts"):
             layer.mlp.compile(dynamic=True)
+    modeling = sys.modules.get(type(lm.model.layers[0].self_attn).__module__)
+    rotary = getattr(modeling, "apply_rotary_pos_emb", None)
+    if rotary is not None and not getattr(rotary, "_miles_compiled", False):
+        compiled = torch.compile(rotary, dynamic=True)
+        compiled._miles_compiled = True
+        modeling.apply_rotary_pos_emb = compiled
 
 
 def reshard(model: torch.nn.Module) -> None:
