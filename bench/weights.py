@@ -245,10 +245,10 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
     nbytes = sum(t.numel() * t.element_size() for _, t in hf_tensors(model, 1 << 30))
     bucket_bytes = args.bucket_mb << 20
     engine = await launch_embedded_engine(
-        model_dir, log_path=work / f"engine-{name}.log", ready_timeout_s=900,
+        model_dir, log_path=(args.log_dir or work) / f"engine-{name}.log", ready_timeout_s=900,
         extra_args=["--device", args.engine_device, "--dtype", "bfloat16", "--load-format", "dummy",
                     "--skip-tokenizer-init", "--disable-cuda-graph", "--max-total-tokens", "2048",
-                    "--context-length", "2048", "--max-running-requests", "4", "--log-level", "warning",
+                    "--context-length", "2048", "--max-running-requests", "4", "--log-level", "info",
                     "--torch-threads", str(max(1, min(8, (os.cpu_count() or 2) // 2)))])
     variants = [(int(b) << 20, int(i)) for b, i in (v.split(":") for v in args.variants.split(","))] \
         if args.variants else [(bucket_bytes, args.inflight)]
@@ -313,6 +313,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test (gloo, tiny models)")
     p.add_argument("--bucket-mb", type=int, default=None)
     p.add_argument("--queue-depth", type=int, default=2)
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the engine logs here")
     p.add_argument("--inflight", type=int, default=3, help="weights.inflight_buckets")
     p.add_argument("--variants", default="", help="e.g. 1024:3,1024:1,256:3 (bucket MiB:inflight), "
                    "each timed against the same engine")

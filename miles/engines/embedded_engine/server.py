@@ -77,6 +77,7 @@ class EngineServer:
         self.groups = W.UpdateGroups(runner.device)
         self._bucket_turn = asyncio.Condition()
         self._bucket_next: dict[str, int] = {}  # group -> the bucket_seq whose turn it is
+        self._recv_timing: dict[str, float] = {}
         self.weights_serial = 0  # bumped by every weight change (a prepared delta checks it)
         self.delta = DeltaUpdates(self)
 
@@ -502,8 +503,9 @@ class EngineServer:
     async def update_weights_from_distributed(self, request) -> web.Response:
         b = decode_body(await request.read(), P.UpdateWeightsFromDistributedReq,
                         "update_weights_from_distributed")
+        t0 = time.perf_counter()
         if b.bucket_seq is None:
-            return await self._receive(b)
+            return await self._receive(b, t0)
         # Several calls may be in flight (the trainer does not wait for answers between
         # broadcasts): receives are posted strictly in bucket_seq order, which is broadcast order.
         group, seq = b.group_name, b.bucket_seq
@@ -520,17 +522,23 @@ class EngineServer:
                               f"bucket {seq - 1} never came within {BUCKET_TURN_TIMEOUT_S} s "
                               f"(next expected: {self._bucket_next.get(group)})"}, 400)
         try:
-            return await self._receive(b)
+            return await self._receive(b, t0)
         finally:
             async with self._bucket_turn:
                 if self._bucket_next.get(group) == seq:
                     self._bucket_next[group] = seq + 1
                 self._bucket_turn.notify_all()
 
-    async def _receive(self, b: P.UpdateWeightsFromDistributedReq) -> web.Response:
-        return await self._update(self.groups.receive, self.runner.model.weights, b.group_name,
-                                  b.names, b.dtypes, b.shapes, b.load_format,
-                                  weight_version=b.weight_version, abort_all=b.abort_all_requests)
+    async def _receive(self, b: P.UpdateWeightsFromDistributedReq, t0: float) -> web.Response:
+        t1 = time.perf_counter()
+        try:
+            return await self._update(self.groups.receive, self.runner.model.weights, b.group_name,
+                                      b.names, b.dtypes, b.shapes, b.load_format,
+                                      weight_version=b.weight_version, abort_all=b.abort_all_requests)
+        finally:  # where a distributed update's time goes, logged at the version barrier
+            t = self._recv_timing
+            t["turn_wait_s"] = t.get("turn_wait_s", 0.0) + (t1 - t0)
+            t["handler_s"] = t.get("handler_s", 0.0) + (time.perf_counter() - t1)
 
     async def update_weight_version(self, request) -> web.Response:
         b = decode_body(await request.read(), P.UpdateWeightVersionReq, "update_weight_version")
@@ -543,6 +551,12 @@ class EngineServer:
                 return _json({"success": False, "message": f"Failed to complete the weight update: "
                               f"{e}", "new_version": self.scheduler.weight_version}, 400)
             self.scheduler.weight_version = b.new_version
+        timing = {**self._recv_timing, **self.groups.take_timing()}
+        self._recv_timing = {}
+        if timing:
+            log.info("weight version %s: distributed update %s", b.new_version,
+                     " ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:g}"
+                              for k, v in sorted(timing.items())))
         return _json({"success": True, "message": f"Weight version updated to {b.new_version}",
                       "new_version": b.new_version})
 

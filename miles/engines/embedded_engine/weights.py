@@ -33,6 +33,7 @@ import base64
 import hashlib
 import math
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -190,6 +191,14 @@ class UpdateGroups:
         self.device = device
         self.groups: dict[str, object] = {}
         self.pending: dict[str, _PendingBucket] = {}
+        # Two receive buffers per (group, dtype, device), used in turn: at most two flat buckets
+        # are alive at once (the one arriving, the one being copied in), and a fresh 1 GiB
+        # allocation per bucket is avoided. A reused buffer is safe without a host sync: NCCL's
+        # stream waits for the compute stream (which holds the copy-out of that buffer's previous
+        # bucket) before it writes into it.
+        self._buffers: dict[tuple, list[torch.Tensor | None]] = {}
+        self._turn: dict[tuple, int] = {}
+        self.timing: dict[str, float] = {}  # seconds per phase since the last take_timing()
 
     def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str) -> None:
@@ -216,8 +225,32 @@ class UpdateGroups:
         pg = self.groups.pop(group_name, None)
         if pg is None:
             raise ValueError(f"group_name: {group_name!r} is not an open weight update group")
+        for key in [k for k in self._buffers if k[0] == group_name]:
+            self._buffers.pop(key)
+            self._turn.pop(key, None)
         threading.Thread(target=_release_group, args=(pg,), name=f"release-{group_name}",
                          daemon=True).start()
+
+    def _recv_buffer(self, group_name: str, dtype: torch.dtype, device: torch.device,
+                     numel: int) -> torch.Tensor:
+        key = (group_name, dtype, device)
+        pair = self._buffers.setdefault(key, [None, None])
+        turn = self._turn.get(key, 0)
+        self._turn[key] = turn ^ 1
+        buf = pair[turn]
+        if buf is None or buf.numel() < numel:
+            pair[turn] = None  # free the old one first
+            buf = pair[turn] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def _tick(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.timing[phase] = self.timing.get(phase, 0.0) + (now - t0)
+        return now
+
+    def take_timing(self) -> dict[str, float]:
+        out, self.timing = self.timing, {}
+        return out
 
     def receive(self, weights: Weights, group_name: str, names: list[str], dtypes: list[str],
                 shapes: list[list[int]], load_format: str | None = None) -> None:
@@ -254,13 +287,17 @@ class UpdateGroups:
             # The sender's flat tensor has no defined layout then; nothing sensible to receive.
             raise ValueError(f"dtypes: a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
         numel = sum(math.prod(s) for s in shapes)
-        flat = torch.empty(numel, dtype=kinds.pop(), device=recv_device)
+        t = time.perf_counter()
+        flat = self._recv_buffer(group_name, kinds.pop(), recv_device, numel)
         try:
             check_names_shapes(weights, [(n, tuple(s)) for n, s in zip(names, shapes)])
             bad = None
         except (KeyError, ValueError) as e:
             bad = e
+        t = self._tick("alloc_check_s", t)
         work = dist.broadcast(flat, src=0, group=pg, async_op=True)
+        t = self._tick("post_s", t)
+        self.timing["buckets"] = self.timing.get("buckets", 0) + 1
         previous = self.pending.pop(group_name, None)
         if bad is None:
             self.pending[group_name] = _PendingBucket(work, flat, list(zip(names, shapes)))
@@ -278,6 +315,7 @@ class UpdateGroups:
             self._apply_flat(weights, self.pending.pop(name))
 
     def _apply_flat(self, weights: Weights, p: _PendingBucket) -> None:
+        t = time.perf_counter()
         p.work.wait()  # CPU: blocks until received; NCCL: the current stream waits for it
         offset = 0
         with torch.no_grad():
@@ -285,9 +323,13 @@ class UpdateGroups:
                 n = math.prod(shape)
                 weights.copy_in(name, p.flat[offset:offset + n].view(shape))
                 offset += n
+        t = self._tick("copy_enqueue_s", t)
         if weights.device.type == "cuda":
-            # Only this stream: the next bucket, still arriving on NCCL's stream, is not waited for.
+            # Only this stream: the next bucket, still arriving on NCCL's stream, is not waited
+            # for. (Generation runs on this stream too, so this wait is for the timing figures and
+            # for callers that read the weights from another stream, e.g. checksums.)
             torch.cuda.current_stream(weights.device).synchronize()
+            self._tick("wait_copy_s", t)
 
 
 # ---- checksums ------------------------------------------------------------------------------
