@@ -81,6 +81,23 @@ async def test_logprobs_match_hf_forward(engines, arch):
             assert res.routed_experts is None
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+async def test_logprobs_when_one_batch_spans_kv_buckets(engines, arch):
+    """Decode groups rows by their own kv bucket (64, 128, 256 keys here): each row still matches HF."""
+    path, url = engines[arch]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 300, n).tolist() for n in (90, 200, 3, 8, 70)]
+    async with EngineClient(url) as c:
+        results = await asyncio.gather(*(c.generate(p, {"max_new_tokens": 10, "temperature": 1.0,
+                                                        "sampling_seed": i, "ignore_eos": True},
+                                                    return_logprob=True, return_routed_experts=True)
+                                         for i, p in enumerate(prompts)))
+    for prompt, res in zip(prompts, results):
+        _, routing = check_against_hf(path, prompt, res)
+        if arch == "qwen3_moe":
+            assert (res.routed_experts == routing[:len(prompt) + 9]).all()
+
+
 async def test_prompt_logprobs_and_routed_start(engines):
     path, url = engines["qwen3_moe"]
     prompt = PROMPTS[1]

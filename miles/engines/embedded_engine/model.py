@@ -400,26 +400,37 @@ class Model:
     # ---- decode: one token per request against the pool ------------------------------------
 
     def decode(self, inp: DecodeInputs, kv_len_bucket: int, kv, req_to_token: torch.Tensor,
-               capture_routing: bool, dense_moe: bool = False):
-        """One token per row; keys gathered from the pool up to `kv_len_bucket` (static shape)."""
+               capture_routing: bool, dense_moe: bool = False,
+               segments: list[tuple[int, int, int]] | None = None):
+        """One token per row; keys gathered from the pool up to `kv_len_bucket` (static shape).
+
+        `segments` (eager only): contiguous row ranges `(start, end, kv_bucket)` covering the batch,
+        each attending over its own bucket, so short rows do not pay for the longest one.
+        """
         s = self.shape
         B = inp.input_ids.shape[0]
         g = s.num_heads // s.num_kv_heads
-        token_slots = req_to_token[inp.req_rows, :kv_len_bucket]            # [B, Tk]
-        key_mask = torch.arange(kv_len_bucket, device=inp.input_ids.device)[None, :] < inp.seq_lens[:, None]
-        bias = torch.zeros(key_mask.shape, device=key_mask.device, dtype=torch.float)
-        bias = bias.masked_fill(~key_mask, float("-inf"))[:, None, None, :]  # [B, 1, 1, Tk]
+        segs = []
+        for start, end, tk in (segments or [(0, B, kv_len_bucket)]):
+            token_slots = req_to_token[inp.req_rows[start:end], :tk]              # [b, Tk]
+            key_mask = torch.arange(tk, device=inp.input_ids.device)[None, :] < inp.seq_lens[start:end, None]
+            bias = torch.zeros(key_mask.shape, device=key_mask.device, dtype=torch.float)
+            bias = bias.masked_fill(~key_mask, float("-inf"))[:, None, None, :]  # [b, 1, 1, Tk]
+            segs.append((start, end, token_slots, bias))
         routing: list | None = [] if capture_routing else None
         x = self.weights.embed[inp.input_ids]
         for i, L in enumerate(self.weights.layers):
             h = self._rms(x, L["in_norm"])
             q, k, v = self._qkv(L, h, inp.positions)
             kv.write(i, inp.out_slots, k, v)
-            keys, values = kv.gather(i, token_slots)                         # [B, Tk, kvh, d]
-            qg = q.view(B, s.num_kv_heads, g, s.head_dim)
-            scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scaling  # [B, kvh, g, Tk]
-            probs = torch.softmax(scores + bias, dim=-1).to(v.dtype)
-            o = torch.matmul(probs, values.transpose(1, 2)).reshape(B, s.q_size)
+            outs = []
+            for start, end, token_slots, bias in segs:
+                keys, values = kv.gather(i, token_slots)                     # [b, Tk, kvh, d]
+                qg = q[start:end].view(end - start, s.num_kv_heads, g, s.head_dim)
+                scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scaling  # [b, kvh, g, Tk]
+                probs = torch.softmax(scores + bias, dim=-1).to(v.dtype)
+                outs.append(torch.matmul(probs, values.transpose(1, 2)).reshape(end - start, s.q_size))
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
             if dense_moe and "router_w" in L:
                 x = x + F.linear(o, L["o_w"], L.get("o_b"))
                 hm = self._rms(x, L["post_norm"])

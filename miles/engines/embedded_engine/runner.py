@@ -8,9 +8,13 @@ Design decisions:
   >= 64). A (batch, kv) bucket pair is one CUDA graph, captured lazily the first time it is needed
   and replayed afterwards; all graphs share one memory pool. Padding rows point at the reserved
   scratch row/slot 0 of the pool, so replaying a graph never touches a live request it doesn't own.
-- The eager path runs the very same `Model.decode` with the same buckets, so graph and eager give
-  identical numbers (a GPU test checks it); the lm_head and sampling run eagerly after the graph
-  because their cost is one matmul and their inputs (per-request sampling params) vary.
+- The eager path runs the very same `Model.decode`, but gives each row its *own* kv bucket: rows
+  are sorted by position and attention runs once per bucket (`segments`), so with heavy-tailed
+  lengths a batch of short requests does not gather and attend over the longest one's keys
+  (measured on CPU, RL pattern with lengths up to 10x the median: 3.9k -> 6.9k tok/s). It also
+  makes a row's numbers independent of its batch neighbours' lengths. Graph and eager agree to
+  rounding (a GPU test checks it); the lm_head and sampling run eagerly after the graph because
+  their cost is one matmul and their inputs (per-request sampling params) vary.
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
 """
@@ -154,12 +158,33 @@ class ModelRunner:
                 self.graphs, self.use_graphs = None, False
                 torch.cuda.synchronize(self.device)
         if hidden is None:
-            inp = DecodeInputs(host[0], host[1], host[2], host[3], host[4])
-            hidden, routing = self.model.decode(inp, kv_bucket, self.kv, self.kv.req_to_token,
-                                                capture_routing and self.shape.is_moe)
+            hidden, routing = self._decode_eager(host, positions, kv_bucket,
+                                                 capture_routing and self.shape.is_moe)
         logits = self.model.logits(hidden)
         routing_np = routing.to(torch.int32).cpu().numpy() if (capture_routing and routing is not None) else None
         return logits, routing_np
+
+    def _decode_eager(self, host: torch.Tensor, positions: list[int], kv_bucket: int,
+                      capture_routing: bool):
+        """Rows sorted by position, attention per kv bucket (`segments`), results in input order."""
+        order = sorted(range(len(positions)), key=positions.__getitem__)
+        buckets = [self.kv_bucket_of(positions[j]) for j in order]
+        if buckets[0] == buckets[-1]:  # one bucket: no reordering needed
+            inp = DecodeInputs(host[0], host[1], host[2], host[3], host[4])
+            return self.model.decode(inp, kv_bucket, self.kv, self.kv.req_to_token, capture_routing)
+        segments, start = [], 0
+        for j in range(1, len(buckets) + 1):
+            if j == len(buckets) or buckets[j] != buckets[start]:
+                segments.append((start, j, buckets[start]))
+                start = j
+        perm = torch.tensor(order, device=host.device)
+        x = host[:, perm]
+        inp = DecodeInputs(x[0], x[1], x[2], x[3], x[4])
+        hidden, routing = self.model.decode(inp, kv_bucket, self.kv, self.kv.req_to_token,
+                                            capture_routing, segments=segments)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(len(order), device=perm.device)
+        return hidden[inverse], (routing[inverse] if routing is not None else None)
 
     def kv_bucket_of(self, max_position: int) -> int:
         return min(max(MIN_KV_BUCKET, next_pow2(max_position + 1)), self.context_length)

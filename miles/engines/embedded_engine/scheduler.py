@@ -44,7 +44,7 @@ from miles.engines.embedded_engine.sampling import SamplingBatch, sample
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `running.remove(req)` must not compare every field of every request
 class Request:
     rid: str
     input_ids: list[int]
