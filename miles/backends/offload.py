@@ -52,6 +52,11 @@ class HostOffload:
         for st, _, _ in moved:
             st.resize_(0)
         if cuda:
+            # cuBLAS keeps a workspace per handle and stream in the caching allocator (32 MiB each
+            # on Hopper); torch makes new ones on the next matmul.
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()
         self._moved = moved
         self.asleep = True

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,16 @@ from typing import Any
 import torch
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def wait_stream(stream, poll_s: float = 1e-4) -> None:
+    """Wait for everything queued on a CUDA `stream` by polling an event. A blocking
+    `synchronize()` can take milliseconds to return on a virtualized GPU host (seen on the H200
+    VMs), which is longer than a 1 GiB bucket takes on NVLink."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    while not done.query():
+        time.sleep(poll_s)
 
 
 @dataclass

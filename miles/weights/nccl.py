@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from miles.weights.base import GateClosed, TransferStats, WeightTransport
-from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline
+from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline, wait_stream
 from miles.weights.config import WeightsConfig
 from miles.weights.engine_calls import EngineCalls
 from miles.weights.process_group import create_group_with_engines, destroy_group, free_port
@@ -247,7 +247,7 @@ class NcclTransport(WeightTransport):
             if stream is not None:
                 with torch.cuda.stream(stream):
                     work.wait()
-                stream.synchronize()
+                wait_stream(stream)  # polled: a blocking sync wakes late on virtualized hosts
             else:
                 work.wait()
             # (bucket index, bytes, posted, answered, complete), seconds since begin

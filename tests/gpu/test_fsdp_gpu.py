@@ -88,10 +88,16 @@ def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
         awake = torch.cuda.memory_allocated()
         snapshot = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone().cpu()
                     for n, p in backend.policy.named_parameters()}
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        state = sum(local(p).numel() * local(p).element_size() for p in backend.policy.parameters())
+        state += sum(local(v).numel() * local(v).element_size() for s in backend.optimizer.state.values()
+                     for v in s.values() if isinstance(v, torch.Tensor) and local(v).is_cuda)
         backend.sleep()
         asleep = torch.cuda.memory_allocated()
-        print(f"memory_allocated: awake {awake / 2**20:.1f} MiB, asleep {asleep / 2**20:.1f} MiB")
-        # parameters, optimizer state (and any gradients) leave; a few buffers may stay
+        print(f"memory_allocated: awake {awake / 2**20:.1f} MiB, asleep {asleep / 2**20:.1f} MiB, "
+              f"state {state / 2**20:.1f} MiB")
+        # parameters and optimizer state (and any gradients) leave; a few buffers may stay
+        assert awake - asleep >= state, (awake, asleep, state)
         assert asleep < 0.1 * awake, (awake, asleep)
         backend.wake_up()
         assert torch.cuda.memory_allocated() >= 0.9 * awake
