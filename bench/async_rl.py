@@ -11,6 +11,17 @@ plug-in that sets `max_new_tokens` and `ignore_eos`, so a few samples are ~10x l
 the straggler pattern of agentic and reasoning rollouts.
 
   .venv/bin/python bench/async_rl.py [--steps 8] [--median-tokens 24] [--device cpu|cuda]
+      [--engine-device cuda:1] [--log-dir DIR]
+
+Design decisions:
+- The answer is scored on the response up to its first special token (EOS, `<|im_end|>`): the
+  forced tail after it is what the length distribution adds, not what the model answered, so
+  `final_reward` stays meaningful (it is the quickstart's task) while every sample still costs its
+  drawn length in the engine and the trainer. The tail is kept in the sample with loss mask 0, so
+  training time counts it but the policy is not pushed towards or away from it.
+- Each mode's stdout/stderr stream into a log file while it runs (`--log-dir`, else the run's
+  temporary directory), so a run killed by a timeout still leaves its log; a failure quotes its
+  tail. On timeout the run gets SIGTERM (the node daemon then stops its children), SIGKILL later.
 """
 
 from __future__ import annotations
@@ -34,7 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class HeavyTailWorker(RolloutWorker):
-    """Draws each sample's length from a log-normal; generation ignores EOS to reach it."""
+    """Draws each sample's length from a log-normal; generation ignores EOS to reach it.
+
+    The reward sees the answer up to the first special token; the forced tail has loss mask 0.
+    """
 
     async def generate_sample(self, sample, seed):
         opts = self.recipe.actors["rollout"].options
@@ -47,12 +61,29 @@ class HeavyTailWorker(RolloutWorker):
             sample = await super().generate_sample(sample, seed)
         finally:
             self.cfg = saved
+        if sample.response_length:
+            response = sample.tokens[len(sample.tokens) - sample.response_length:]
+            ends = np.flatnonzero(np.isin(response, list(self._answer_ends())))
+            if len(ends):
+                cut = int(ends[0]) + 1  # the stop token is part of the answer, as without ignore_eos
+                sample.response = self.tokenizer.decode(response[:cut].tolist(), skip_special_tokens=True)
+                sample.loss_mask[cut:] = 0
         return sample
+
+    def _answer_ends(self) -> set[int]:
+        if not hasattr(self, "_ends"):
+            self._ends = set(self.tokenizer.all_special_ids) | set(self.cfg.stop_token_ids or ())
+        return self._ends
 
 
 def _with(cfg, **changes):
     import msgspec
     return msgspec.structs.replace(cfg, **changes)
+
+
+def _tail(path: Path, n_bytes: int = 3000) -> str:
+    data = path.read_bytes()
+    return data[-n_bytes:].decode(errors="replace")
 
 
 def _port() -> int:
@@ -67,7 +98,7 @@ def run_mode(mode: str, args, out: Path) -> dict:
         "loop.mode": json.dumps(mode), "loop.num_steps": args.steps, "loop.max_staleness": args.max_staleness,
         "loop.groups_per_step": args.groups, "loop.eval_every": 0, "loop.save_every": 0, "loop.resume": "false",
         "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": args.median_tokens * 10,
-        "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": 5,
+        "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": args.sft_steps,
         "engine.device": json.dumps(args.engine_device or args.device), "engine.max_running_requests": 256,
         "engine.context_length": 4096, "cluster.head_port": _port(), "logging.progress": "false",
         "eval.mode": json.dumps("off"),
@@ -79,11 +110,25 @@ def run_mode(mode: str, args, out: Path) -> dict:
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
+    log_path = Path(args.log_dir or out) / f"async_rl_{mode}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise RuntimeError(f"{mode} run timed out after {args.timeout_s:.0f} s (log: {log_path}):\n"
+                               f"{_tail(log_path)}") from None
     wall = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+    if returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({returncode}, log: {log_path}):\n{_tail(log_path)}")
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     actors = [r for r in rows if r["kind"] == "actors"]
@@ -111,9 +156,13 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--median-tokens", type=int, default=24)
+    ap.add_argument("--sft-steps", type=int, default=50,
+                    help="supervised warm-start (the quickstart's 50 teach the answer format)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--engine-device", default=None, help="e.g. cuda:1 (NCCL needs distinct GPUs)")
     ap.add_argument("--timeout-s", type=float, default=1200)
+    ap.add_argument("--log-dir", default=None,
+                    help="stream each mode's output to DIR/async_rl_<mode>.log while it runs")
     args = ap.parse_args()
     machine = f"{platform.machine()} {os.cpu_count()} cpu" + (
         f", {args.device}" if args.device != "cpu" else "")

@@ -238,12 +238,11 @@ class Scheduler:
         req.finish = reason
         req.finished_s = time.time()
         self._release_kv(req)
+        # Membership first: a failed deque.remove formats the repr of the whole Request.
         if req in self.running:
             self.running.remove(req)
-        try:
+        elif req in self.waiting:
             self.waiting.remove(req)
-        except ValueError:
-            pass
         self.by_rid.pop(req.rid, None)
         self.stats["aborted" if reason["type"] == "abort" else "finished"] += 1
         req.progress.set()
