@@ -324,11 +324,14 @@ class UpdateGroups:
         t = time.perf_counter()
         p.work.wait()  # CPU: blocks until received; NCCL: the current stream waits for it
         offset = 0
+        dsts, srcs = [], []
+        for name, shape in p.items:  # names and shapes were checked when the receive was posted
+            n = math.prod(shape)
+            dsts.append(weights.lookup(name))
+            srcs.append(p.flat[offset:offset + n].view(shape))
+            offset += n
         with torch.no_grad():
-            for name, shape in p.items:
-                n = math.prod(shape)
-                weights.copy_in(name, p.flat[offset:offset + n].view(shape))
-                offset += n
+            torch._foreach_copy_(dsts, srcs)  # one multi-tensor kernel, dtype cast included
         self._tick("copy_enqueue_s", t)
         # No host sync here: the copies are ordered on the compute stream (generation runs there
         # too), and a host sync per bucket kept the next receive from being posted for as long as
