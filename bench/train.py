@@ -21,7 +21,7 @@ Prints one JSON line:
 
 Usage: .venv/bin/python bench/train.py [--model qwen2-1.5b|tiny] [--microbatches 4]
        [--microbatch-tokens 8192] [--steps 3] [--attention packed|sdpa] [--recompute-pass]
-       [--compile] [--no-master] [--gradient-checkpointing]
+       [--compile auto|on|off] [--no-master] [--gradient-checkpointing] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def main() -> None:
     ap.add_argument("--recompute-pass", action="store_true")
     ap.add_argument("--no-master", action="store_true", help="bf16 params, no fp32 master copy")
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="torch.compile norms and MLPs")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="train.compile (auto: the backend's default, on with CUDA)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="after timing, profile one more step; kernel table written to this file")
     args = ap.parse_args()
@@ -190,7 +191,8 @@ def main() -> None:
                       master_weights_fp32=not args.no_master, lr=1e-6,
                       max_tokens_per_microbatch=tokens_per_mb, attention=args.attention,
                       old_logprobs="recompute" if args.recompute_pass else "auto",
-                      gradient_checkpointing=args.gradient_checkpointing, compile=args.compile)
+                      gradient_checkpointing=args.gradient_checkpointing,
+                      compile={"auto": None, "on": True, "off": False}[args.compile])
     backend = make_backend("fsdp")
     backend.init(cfg, RankInfo(), LossConfig(advantage_estimator="grpo"))
     vocab = backend.vocab_size
@@ -223,7 +225,7 @@ def main() -> None:
         "microbatch_tokens": tokens_per_mb, "tflops_per_step": round(flops / 1e12, 2),
         "attention": args.attention + ("+varlen" if packed_attention._varlen_fn is not None else ""),
         "recompute_pass": args.recompute_pass, "master_fp32": not args.no_master,
-        "compile": args.compile,
+        "compile": backend.use_compile,
         "loss": round(metrics["loss"], 6), "grad_norm": round(metrics["grad_norm"], 4),
         **profile,
     }))

@@ -227,9 +227,12 @@ def timeline_summary(transport) -> dict:
         return {}
     done = [r[4] for r in rows]
     gaps = [b - a for a, b in zip(done, done[1:])]
+    ms = lambda xs: [round(1e3 * x, 2) for x in xs]  # noqa: E731
     return {"first_post_s": round(rows[0][2], 5), "last_complete_s": round(done[-1], 5),
             "bucket_gap_ms_median": round(1e3 * statistics.median(gaps), 3) if gaps else None,
-            "answer_lag_ms_median": round(1e3 * statistics.median(r[3] - r[2] for r in rows), 3)}
+            "answer_lag_ms_median": round(1e3 * statistics.median(r[3] - r[2] for r in rows), 3),
+            "timeline_ms": {"posted": ms(r[2] for r in rows), "answered": ms(r[3] for r in rows),
+                            "complete": ms(done), "mib": [r[1] >> 20 for r in rows]}}
 
 
 async def bench_model(name: str, args, work: Path) -> list[dict]:

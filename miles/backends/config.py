@@ -67,7 +67,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # --- model execution ---
     attention: AttentionName = "packed"    # packed: per-sample kernels; sdpa/eager: HF with a mask
     gradient_checkpointing: bool = False
-    compile: bool = False                  # torch.compile norms, dense MLPs and rotary (opt-in)
+    compile: bool | None = None            # torch.compile norms, dense MLPs, rotary; None: on CUDA
     reshard_after_forward: bool | None = None  # None: only with several ranks (FSDP2's knob)
     seed: int = 1234
 

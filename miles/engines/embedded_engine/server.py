@@ -555,7 +555,7 @@ class EngineServer:
         self._recv_timing = {}
         if timing:
             log.info("weight version %s: distributed update %s", b.new_version,
-                     " ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:g}"
+                     " ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v}"
                               for k, v in sorted(timing.items())))
         return _json({"success": True, "message": f"Weight version updated to {b.new_version}",
                       "new_version": b.new_version})

@@ -200,6 +200,7 @@ class UpdateGroups:
         self._buffers: dict[tuple, list[torch.Tensor | None]] = {}
         self._turn: dict[tuple, int] = {}
         self.timing: dict[str, float] = {}  # seconds per phase since the last take_timing()
+        self.posted_at: list[float] = []    # perf_counter() of each receive posted since then
 
     def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str) -> None:
@@ -249,8 +250,11 @@ class UpdateGroups:
         self.timing[phase] = self.timing.get(phase, 0.0) + (now - t0)
         return now
 
-    def take_timing(self) -> dict[str, float]:
+    def take_timing(self) -> dict:
         out, self.timing = self.timing, {}
+        if self.posted_at:
+            out["posted_ms"] = [round(1e3 * (t - self.posted_at[0]), 1) for t in self.posted_at]
+            self.posted_at = []
         return out
 
     def receive(self, weights: Weights, group_name: str, names: list[str], dtypes: list[str],
@@ -299,6 +303,7 @@ class UpdateGroups:
         work = dist.broadcast(flat, src=0, group=pg, async_op=True)
         t = self._tick("post_s", t)
         self.timing["buckets"] = self.timing.get("buckets", 0) + 1
+        self.posted_at.append(t)
         previous = self.pending.pop(group_name, None)
         if bad is None:
             self.pending[group_name] = _PendingBucket(work, flat, list(zip(names, shapes)))
