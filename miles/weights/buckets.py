@@ -15,6 +15,10 @@ Design decisions:
   not for everything queued on the default stream, so a later gather never delays a broadcast.
 - The sender's first failure is kept and raised from the caller's next `put` or from `drain`:
   the caller stops gathering instead of feeding a dead link.
+- Flat buffers come from a `BufferPool` kept by the transport across versions: a bucket is
+  concatenated into a buffer whose broadcast has completed (`release()` after the sender saw it
+  finish), so no publish asks the allocator for fresh GiB-sized blocks. The pool holds at most as
+  many buffers as were ever in flight at once (queue_depth + inflight + 1).
 """
 
 from __future__ import annotations
@@ -50,6 +54,14 @@ class FlatBucket:
     flat: torch.Tensor                 # 1-D, `dtype`, the tensors back to back
     ready: Any = None                  # torch.cuda.Event recorded after flattening (CUDA only)
     index: int = 0
+    _release: Any = None               # gives the pool buffer back (after the transfer)
+
+    def release(self) -> None:
+        """The transfer is complete: the flat buffer may be reused or freed."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+        self.flat = None
 
     @property
     def nbytes(self) -> int:
@@ -71,13 +83,50 @@ class FlatBucket:
         return out
 
 
-def flatten(named: NamedTensors, device: torch.device | None = None, index: int = 0) -> FlatBucket:
+class BufferPool:
+    """Reusable flat buffers (raw bytes on one device); taken by the gather, released by the sender."""
+
+    def __init__(self, min_bytes: int = 0):
+        self.min_bytes = min_bytes
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers ever made (a test and the docstring's bound)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            fits = [b for b in self._free if b.device == device and b.numel() >= nbytes]
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = torch.empty(max(nbytes, self.min_bytes), dtype=torch.uint8, device=device)
+            self.allocated += 1
+
+        def release() -> None:
+            with self._lock:
+                self._free.append(buf)
+        return buf[:nbytes].view(dtype), release
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+def flatten(named: NamedTensors, device: torch.device | None = None, index: int = 0,
+            pool: BufferPool | None = None) -> FlatBucket:
     """One flat tensor of `named` (all of one dtype), on `device` (default: where they are)."""
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) != 1:
         raise ValueError(f"flatten: a bucket must hold one dtype, got {sorted(map(str, dtypes))}")
     parts = [t.detach().reshape(-1) for _, t in named]
-    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    release = None
+    same_device = device is None or parts[0].device == device
+    if len(parts) > 1 and pool is not None and same_device:
+        flat, release = pool.take(sum(p.numel() for p in parts), parts[0].dtype, parts[0].device)
+        torch.cat(parts, out=flat)
+    else:
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
     if device is not None and flat.device != device:
         flat = flat.to(device)
     ready = None
@@ -85,15 +134,15 @@ def flatten(named: NamedTensors, device: torch.device | None = None, index: int 
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(flat.device))
     return FlatBucket([n for n, _ in named], [list(t.shape) for _, t in named], flat.dtype, flat,
-                      ready, index)
+                      ready, index, release)
 
 
 class Coalescer:
     """Collects (name, tensor) pairs into flat buckets of about `bucket_bytes`, one dtype each."""
 
     def __init__(self, bucket_bytes: int, emit: Callable[[FlatBucket], None],
-                 device: torch.device | None = None):
-        self.bucket_bytes, self.emit, self.device = bucket_bytes, emit, device
+                 device: torch.device | None = None, pool: BufferPool | None = None):
+        self.bucket_bytes, self.emit, self.device, self.pool = bucket_bytes, emit, device, pool
         self._open: NamedTensors = []
         self._open_bytes = 0
         self.buckets = 0
@@ -110,7 +159,7 @@ class Coalescer:
     def flush(self) -> None:
         if not self._open:
             return
-        bucket = flatten(self._open, self.device, self.buckets)
+        bucket = flatten(self._open, self.device, self.buckets, self.pool)
         self._open, self._open_bytes = [], 0
         self.buckets += 1
         self.emit(bucket)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from miles.weights.base import GateClosed, TransferStats, WeightTransport
-from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline, wait_stream
+from miles.weights.buckets import BufferPool, Coalescer, FlatBucket, SendPipeline, wait_stream
 from miles.weights.config import WeightsConfig
 from miles.weights.engine_calls import EngineCalls
 from miles.weights.process_group import create_group_with_engines, destroy_group, free_port
@@ -72,6 +72,7 @@ class NcclTransport(WeightTransport):
         self._error: BaseException | None = None
         self._ordered = False   # every engine takes `bucket_seq` (several calls in flight)
         self.timeline: list[tuple[int, int, float, float, float]] = []  # see _send
+        self._pool = BufferPool()  # flat send buffers, reused across versions
         self._t0 = 0.0
 
     # ---- the group ---------------------------------------------------------------------------
@@ -156,7 +157,10 @@ class NcclTransport(WeightTransport):
         self.timeline = []
         self._t0 = time.perf_counter()
         self._pipeline.start()
-        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device)
+        if self._pool.min_bytes != self.cfg.bucket_bytes:
+            self._pool.clear()
+            self._pool.min_bytes = self.cfg.bucket_bytes
+        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device, self._pool)
 
     def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self._coalescer is None:
@@ -253,7 +257,7 @@ class NcclTransport(WeightTransport):
             # (bucket index, bytes, posted, answered, complete), seconds since begin
             self.timeline.append((bucket.index, bucket.nbytes, t_post, max(answered, default=0.0),
                                   time.perf_counter() - self._t0))
-            bucket.flat = None  # the buffer may go back to the allocator now
+            bucket.release()  # the buffer may be reused now
 
         return complete
 
@@ -268,6 +272,7 @@ class NcclTransport(WeightTransport):
         if self._pg is not None:
             destroy_group(self._pg)
             self._pg = None
+        self._pool.clear()
         if self._calls is not None:
             self._calls.close()
             self._calls = None

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miles.weights import WeightsConfig
-from miles.weights.buckets import Coalescer, SendPipeline, flatten
+from miles.weights.buckets import BufferPool, Coalescer, SendPipeline, flatten
 from miles.weights.delta_format import (DeltaError, DeltaWriter, decode_entry, decompress,
                                         encode_chunks, read_manifest, sha256)
 
@@ -213,6 +213,41 @@ def test_send_pipeline_keeps_order_and_overlaps_one_bucket():
     # Bucket k completes only after bucket k+1 went out: the two overlap.
     assert events == [("send", 0), ("send", 1), ("complete", 0), ("send", 2), ("complete", 1),
                       ("complete", 2)]
+
+
+def test_send_pipeline_with_inflight_completes_k_buckets_later():
+    events = []
+
+    def send(bucket):
+        events.append(("send", bucket.index))
+        return lambda: events.append(("complete", bucket.index))
+
+    p = SendPipeline(send, depth=4, timeout_s=5, inflight=3)
+    p.start()
+    for i in range(5):
+        p.put(flatten([("t", torch.ones(2))], index=i))
+    p.drain()
+    assert events == [("send", 0), ("send", 1), ("send", 2), ("send", 3), ("complete", 0),
+                      ("send", 4), ("complete", 1), ("complete", 2), ("complete", 3), ("complete", 4)]
+
+
+def test_buffer_pool_reuses_released_buffers_and_keeps_bytes_exact():
+    pool = BufferPool(min_bytes=64)
+    out = []
+    c = Coalescer(64, out.append, pool=pool)
+    tensors = [(f"t{i}", torch.randn(8)) for i in range(8)]  # 32 bytes each: two per bucket
+    c.add(tensors[:4])
+    c.flush()
+    assert pool.allocated == 2 and [b.names for b in out] == [["t0", "t1"], ["t2", "t3"]]
+    assert torch.equal(out[1].flat, torch.cat([tensors[2][1], tensors[3][1]]))
+    for b in out:
+        b.release()
+    assert out[0].flat is None
+    c.add(tensors[4:])
+    c.flush()
+    assert pool.allocated == 2  # the next version's buckets went into the same two buffers
+    assert torch.equal(out[3].flat, torch.cat([tensors[6][1], tensors[7][1]]))
+    assert dict(out[2].views())["t4"].equal(tensors[4][1])
 
 
 def test_send_pipeline_failure_reaches_the_caller():
