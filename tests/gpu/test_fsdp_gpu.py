@@ -100,7 +100,8 @@ def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
         assert awake - asleep >= state, (awake, asleep, state)
         assert asleep < 0.1 * awake, (awake, asleep)
         backend.wake_up()
-        assert torch.cuda.memory_allocated() >= 0.9 * awake
+        # the state comes back; transient copies (unsharded bf16 params, cuBLAS workspaces) do not
+        assert torch.cuda.memory_allocated() >= state
         for n, p in backend.policy.named_parameters():
             assert torch.equal((p.to_local() if hasattr(p, "to_local") else p).detach().cpu(), snapshot[n]), n
         after = backend.train(batch)["loss"]
