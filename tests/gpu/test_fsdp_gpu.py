@@ -86,8 +86,10 @@ def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
         del mb
         torch.cuda.synchronize()
         awake = torch.cuda.memory_allocated()
-        snapshot = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone().cpu()
-                    for n, p in backend.policy.named_parameters()}
+        # the optimizer's params are the fp32 master shards whatever FSDP has registered now
+        # (after a no-grad forward that is the unsharded bf16 copies)
+        masters = [p for g in backend.optimizer.param_groups for p in g["params"]]
+        snapshot = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone().cpu() for p in masters]
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
         state = sum(local(p).numel() * local(p).element_size() for p in backend.policy.parameters())
         state += sum(local(v).numel() * local(v).element_size() for s in backend.optimizer.state.values()
@@ -102,8 +104,8 @@ def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
         backend.wake_up()
         # the state comes back; transient copies (unsharded bf16 params, cuBLAS workspaces) do not
         assert torch.cuda.memory_allocated() >= state
-        for n, p in backend.policy.named_parameters():
-            assert torch.equal((p.to_local() if hasattr(p, "to_local") else p).detach().cpu(), snapshot[n]), n
+        for k, p in enumerate(masters):
+            assert torch.equal((p.to_local() if hasattr(p, "to_local") else p).detach().cpu(), snapshot[k]), k
         after = backend.train(batch)["loss"]
         assert np.isfinite(after) and after < losses[0]
     finally:
