@@ -19,6 +19,9 @@ Design decisions:
   `final_reward` stays meaningful (it is the quickstart's task) while every sample still costs its
   drawn length in the engine and the trainer. The tail is kept in the sample with loss mask 0, so
   training time counts it but the policy is not pushed towards or away from it.
+- `weights.check_weights` is off (its default; the quickstart turns it on to show the proof): the
+  engine's sha256 of every parameter holds its step lock, so in fully-async mode it stalls
+  generation once per step, which is a verification cost, not the loop's.
 - Each mode's stdout/stderr stream into a log file while it runs (`--log-dir`, else the run's
   temporary directory), so a run killed by a timeout still leaves its log; a failure quotes its
   tail. On timeout the run gets SIGTERM (the node daemon then stops its children), SIGKILL later.
@@ -101,7 +104,7 @@ def run_mode(mode: str, args, out: Path) -> dict:
         "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": args.sft_steps,
         "engine.device": json.dumps(args.engine_device or args.device), "engine.max_running_requests": 256,
         "engine.context_length": 4096, "cluster.head_port": _port(), "logging.progress": "false",
-        "eval.mode": json.dumps("off"),
+        "eval.mode": json.dumps("off"), "weights.check_weights": "false",
         "actors.rollout": '{class = "async_rl:HeavyTailWorker", options = {median_tokens = %d}}' % args.median_tokens,
     }
     if args.device == "cuda":
