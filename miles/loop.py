@@ -19,9 +19,10 @@ Design decisions:
 - The driver is an actor like the others (`actors.driver`, main = true): its exit ends the job.
 - Samples flow rollout -> buffer -> driver -> trainers over ZeroMQ with arrays as raw frames;
   weights never go through here (the trainer publishes them by NCCL / IPC / disk).
-- Checkpoints hold the trainer state plus the loop's own (step, version, data position); on
-  start the newest complete checkpoint in the run directory is resumed, so a SIGINT'ed run
-  continues where it stopped.
+- Checkpoints hold the trainer state plus the loop's own (step, version, data position, and the
+  prompts already read but not yet trained: in flight in the rollout worker or held by the
+  buffer); on start the newest complete checkpoint in the run directory is resumed, those prompts
+  are generated again first, and a SIGINT'ed run continues where it stopped with no prompt lost.
 - Evaluation is asynchronous in fully-async mode (its result is logged when it arrives, with its
   lag) and a failed evaluation is logged and skipped, never fatal.
 """
@@ -38,7 +39,8 @@ import numpy as np
 from miles.actors.base import Actor
 from miles.rl.logger import MetricsLogger
 from miles.wire.messages import (BufferMetricsRequest, Evaluate, GetBatch, GetEngines,
-                                 GetMetrics, GetRolloutState, LoadCheckpoint, PublishWeights,
+                                 GetMetrics, GetQueuedPrompts, GetRolloutState, LoadCheckpoint,
+                                 PublishWeights,
                                  Sample, SaveCheckpoint, SetVersion, StartRollout, StopRollout,
                                  TrainStep)
 
@@ -47,13 +49,13 @@ class LoopDriver(Actor):
     async def run(self) -> int:
         r = self.recipe
         await self.connect()
-        step, version, data_state = await self.resume_or_warm_start()
+        step, version, data_state, replay = await self.resume_or_warm_start()
         self.log = MetricsLogger(r.output_dir, r.logging, r.loop.num_steps, r.run.name, resume=step > 0)
         if self.log.bar is not None:
             self.log.bar.update(step)  # a resumed run shows the steps it already has
         await self.evaluate(step, version, wait=True)
         await self.buffer.call(SetVersion(version=version))
-        await self.rollout.call(StartRollout(data_state=data_state))
+        await self.rollout.call(StartRollout(data_state=data_state, replay=replay))
 
         for step in range(step + 1, r.loop.num_steps + 1):
             batch = await self.buffer.call(GetBatch(n_groups=r.loop.groups_per_step),
@@ -106,7 +108,7 @@ class LoopDriver(Actor):
     async def publish(self, version: int) -> None:
         await self.on_all_trainers(PublishWeights(version=version))
 
-    async def resume_or_warm_start(self) -> tuple[int, int, dict]:
+    async def resume_or_warm_start(self) -> tuple[int, int, dict, list[int]]:
         r = self.recipe
         latest = self.latest_checkpoint() if r.loop.resume else None
         if latest is not None:
@@ -114,13 +116,14 @@ class LoopDriver(Actor):
             state = states[0].extra_state
             print(f"[driver] resumed from {latest} at step {state['step']}", flush=True)
             await self.publish(int(state["version"]))  # engines get the resumed weights
-            return int(state["step"]), int(state["version"]), dict(state.get("data_state", {}))
+            return (int(state["step"]), int(state["version"]), dict(state.get("data_state", {})),
+                    [int(i) for i in state.get("replay_prompts", [])])
         version = 0
         if r.sft.steps:
             await self.warm_start()
             version = 1
             await self.publish(version)
-        return 0, version, {}
+        return 0, version, {}, []
 
     async def warm_start(self) -> None:
         """A short supervised warm-start on prompt/answer pairs (loss on the answer only)."""
@@ -175,8 +178,12 @@ class LoopDriver(Actor):
 
     async def checkpoint(self, step: int, version: int, hf: bool = False) -> Path:
         path = self.ckpt_root / f"step_{step:06d}"
+        # The rollout first, then the buffer: a group that moves between them meanwhile is in the
+        # buffer's queue by the time it is asked (no batch is taken during a checkpoint).
         state = await self.rollout.call(GetRolloutState())
-        extra = {"step": step, "version": version, "data_state": state.data_state}
+        queued = await self.buffer.call(GetQueuedPrompts())
+        extra = {"step": step, "version": version, "data_state": state.data_state,
+                 "replay_prompts": sorted(set(state.in_flight) | set(queued.indices))}
         await self.on_all_trainers(SaveCheckpoint(path=str(path), extra_state=extra))
         if hf:
             await self.on_all_trainers(SaveCheckpoint(path=str(path / "hf"), hf=True))

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 from miles.actors.base import Actor
 from miles.rl.rewards import load_function
-from miles.wire.messages import (Batch, BufferMetricsRequest, GetBatch, Group, Metrics, PutGroup,
-                                 PutReply, ReleaseSlot, Reservation, Reserve, SetVersion)
+from miles.wire.messages import (Batch, BufferMetricsRequest, GetBatch, GetQueuedPrompts, Group,
+                                 Metrics, PutGroup, PutReply, QueuedPrompts, ReleaseSlot,
+                                 Reservation, Reserve, SetVersion)
 
 
 @dataclass
@@ -235,6 +236,9 @@ class Buffer(Actor):
                     "buffer/staleness_max": float(self.staleness_max),
                     "buffer/trainer_wait_s": self.trainer_wait_s})
         return out
+
+    def on_get_queued_prompts(self, msg: GetQueuedPrompts) -> QueuedPrompts:
+        return QueuedPrompts(indices=[g.prompt_index for _, g in self.queue] + list(self.stale_prompts))
 
     def on_buffer_metrics_request(self, msg: BufferMetricsRequest) -> Metrics:
         return Metrics(actor=self.name, values=self.metrics())

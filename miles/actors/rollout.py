@@ -16,6 +16,10 @@ Design decisions:
 - Failures are data: an engine error or a reward-function error marks the sample "failed"; the
   buffer's policy decides (retry the prompt, drop it). Nothing accepted is lost silently: every
   reserved slot ends as a kept group or an explicit release.
+- Resume loses no prompt: at a checkpoint the driver stores the prompts started but not yet
+  trained (groups generating here, waiting for a retry, or held by the buffer), and a resumed
+  worker generates those first (`source.at(index)`, same seeds) before reading on from the
+  saved position.
 - Plug-in points by import path: `rollout.reward` (per sample or batched per group), and the
   worker class itself (`rollout.worker`); `generate_sample` is the method to override for a
   custom generate function (multi-turn, tools, agents).
@@ -50,6 +54,8 @@ class RolloutWorker(Actor):
         self._admission_open = asyncio.Event()
         self._admission_open.set()
         self._tasks_groups: set[asyncio.Task] = set()
+        self._group_prompts: dict[asyncio.Task, int] = {}  # running group -> its prompt index
+        self.replay_queue: list[int] = []  # prompts untrained at the checkpoint we resumed from
         self._loop_task: asyncio.Task | None = None
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
@@ -88,7 +94,14 @@ class RolloutWorker(Actor):
     async def on_start_rollout(self, msg: StartRollout) -> None:
         if msg.data_state:
             self.source.restore(msg.data_state)
-        print(f"starting at data position {self.source.state().get('position', '?')}", flush=True)
+        self.replay_queue = list(msg.replay)
+        if self.replay_queue and not hasattr(self.source, "at"):
+            print(f"cannot replay {len(self.replay_queue)} prompts that were in flight at the "
+                  f"checkpoint: data source {type(self.source).__name__} has no at(index)", flush=True)
+            self.replay_queue = []
+        replay = f", replaying {len(self.replay_queue)} prompts in flight at the checkpoint" \
+            if self.replay_queue else ""
+        print(f"starting at data position {self.source.state().get('position', '?')}{replay}", flush=True)
         if not self._running:
             self._running = True
             self._loop_task = asyncio.get_running_loop().create_task(self._admit_loop())
@@ -97,6 +110,8 @@ class RolloutWorker(Actor):
         await self._stop()
 
     async def _stop(self) -> None:
+        # Groups cut off here were never trained: a checkpoint taken after this still lists them.
+        self.replay_queue = [*self._group_prompts.values(), *self.replay_queue]
         self._running = False
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -108,7 +123,10 @@ class RolloutWorker(Actor):
         (self._admission_open.clear if msg.paused else self._admission_open.set)()
 
     def on_get_rollout_state(self, msg: GetRolloutState) -> RolloutState:
-        return RolloutState(data_state=self.source.state(), metrics=self.metrics())
+        in_flight = [*self._group_prompts.values(), *(p.index for p, _, _ in self.retry_queue),
+                     *self.replay_queue]
+        return RolloutState(data_state=self.source.state(), metrics=self.metrics(),
+                            in_flight=sorted(in_flight))
 
     # ----- the admission loop ------------------------------------------------------------------
 
@@ -122,12 +140,19 @@ class RolloutWorker(Actor):
                 slot, attempt = reservation.slot, 0
                 if reservation.retry_prompt >= 0 and hasattr(self.source, "at"):
                     prompt = self.source.at(reservation.retry_prompt)
+                elif self.replay_queue:
+                    prompt = self.source.at(self.replay_queue.pop(0))
                 else:
                     prompt = next(self.source)
             self.counts["groups_started"] += 1
             task = asyncio.get_running_loop().create_task(self._run_group(prompt, slot, attempt))
             self._tasks_groups.add(task)
-            task.add_done_callback(self._tasks_groups.discard)
+            self._group_prompts[task] = prompt.index
+            task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._tasks_groups.discard(task)
+        self._group_prompts.pop(task, None)
 
     async def _run_group(self, prompt: Prompt, slot: int, attempt: int) -> None:
         try:

@@ -276,8 +276,17 @@ class BufferMetricsRequest(Message):
     pass
 
 
+class GetQueuedPrompts(Message):
+    """Driver -> buffer (at a checkpoint): prompts of groups held but not yet trained."""
+
+
+class QueuedPrompts(Message):
+    indices: list[int]              # kept groups waiting for a batch, and stale ones to regenerate
+
+
 class StartRollout(Message):
     data_state: dict[str, Any] = {}
+    replay: list[int] = []          # prompt indices to generate first (untrained at the checkpoint)
 
 
 class StopRollout(Message):
@@ -287,6 +296,7 @@ class StopRollout(Message):
 class RolloutState(Message):
     data_state: dict[str, Any]
     metrics: dict[str, float] = {}
+    in_flight: list[int] = []       # prompt indices of groups started and not yet in the buffer
 
 
 class GetRolloutState(Message):

@@ -99,11 +99,15 @@ def test_sigint_then_resume_continues_at_the_step_and_data_position(tmp_path):
     assert "shutting down: signal SIGINT" in first_log
     saved = json.loads(ckpt.read_text())
     assert saved["step"] == 4 and saved["data_state"]["position"] > 0
+    # fully async: groups were generating or waiting in the buffer when step 4 was saved
+    replay = saved["replay_prompts"]
+    assert replay and max(replay) < saved["data_state"]["position"], saved
 
     code, log, _ = run_recipe(tmp_path, "resume", overrides)
     assert code == 0, log[-3000:]
     resumed = [l for l in log.splitlines() if "resumed from" in l]
     assert resumed and "step_000004 at step 4" in resumed[0]
-    assert f"data position {saved['data_state']['position']}" in log
+    assert (f"data position {saved['data_state']['position']}, replaying {len(replay)} prompts "
+            "in flight at the checkpoint") in log
     steps = [r["step"] for r in records(out, "train")]
     assert steps[-2:] == [5, 6] and 1 not in steps[4:]         # continued, not restarted
