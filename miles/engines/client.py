@@ -300,7 +300,7 @@ class EngineClient:
             raise ValueError("generate: pass exactly one of input_ids / text")
         body: dict[str, Any] = {"sampling_params": _sampling_body(sampling_params)}
         if input_ids is not None:
-            body["input_ids"] = [int(t) for t in input_ids]
+            body["input_ids"] = np.asarray(input_ids, dtype=np.int64).tolist()  # C loop, not per element
         else:
             body["text"] = text
         if rid is not None:
