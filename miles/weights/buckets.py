@@ -37,9 +37,9 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def wait_stream(stream, poll_s: float = 1e-4) -> None:
-    """Wait for everything queued on a CUDA `stream` by polling an event. A blocking
-    `synchronize()` can take milliseconds to return on a virtualized GPU host (seen on the H200
-    VMs), which is longer than a 1 GiB bucket takes on NVLink."""
+    """Wait for everything queued on a CUDA `stream` by polling an event (100 us), so the wait
+    never depends on how fast a blocking `synchronize()` wakes its thread: a 1 GiB bucket takes
+    under 3 ms on NVLink, and on virtualized hosts that wake-up is not guaranteed to be small."""
     done = torch.cuda.Event()
     done.record(stream)
     while not done.query():

@@ -251,7 +251,7 @@ class NcclTransport(WeightTransport):
             if stream is not None:
                 with torch.cuda.stream(stream):
                     work.wait()
-                wait_stream(stream)  # polled: a blocking sync wakes late on virtualized hosts
+                wait_stream(stream)  # polled, not a blocking synchronize (see buckets.wait_stream)
             else:
                 work.wait()
             # (bucket index, bytes, posted, answered, complete), seconds since begin

@@ -338,8 +338,8 @@ class UpdateGroups:
                 offset += n
         self._tick("copy_enqueue_s", t)
         # No host sync here: the copies are ordered on the compute stream (generation runs there
-        # too), and a host sync per bucket kept the next receive from being posted for as long as
-        # the sync took to return (~5 ms on the H200 VMs): that, not the link, bounded the rate.
+        # too). A host sync per bucket kept the next receive from being posted until this bucket
+        # had arrived and been copied, and for however long the sync took to return.
 
 
 # ---- checksums ------------------------------------------------------------------------------
