@@ -96,8 +96,8 @@ class FSDPBackend(TrainingBackend):
         torch.manual_seed(config.seed + rank.rank)
         np.random.seed((config.seed + rank.rank) % 2**32)
         self.compute_dtype = DTYPES[config.param_dtype]
-        # Compiled norms/MLP/rotary: 43.6% -> 48.2% MFU on an H200 (bench/train.py). Off on CPU by
-        # default, where inductor's C++ compile costs more than it saves on small models.
+        # Compiled norms/MLP/rotary: 42-44% -> 47-48% MFU on an H200 (bench/train.py). Off on CPU
+        # by default, where inductor's C++ compile costs more than it saves on small models.
         self.use_compile = config.compile if config.compile is not None else self.device.type == "cuda"
         if config.attention == "packed":
             attention.register()
@@ -139,8 +139,8 @@ class FSDPBackend(TrainingBackend):
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype if master != self.compute_dtype else None,
                                   reduce_dtype=DTYPES[cfg.reduce_dtype])
         # Resharding after forward saves memory with several ranks and buys nothing with one
-        # (there is nothing to gather from), where it costs a second cast of every weight in
-        # backward (~3% of a step on an H200); so "auto" (None) reshards only with several ranks.
+        # (there is nothing to gather from), where it costs a second all-gather (a cast of every
+        # weight) per layer in backward; so "auto" (None) reshards only with several ranks.
         # Either way every reader of the shards (sleep, export, state dicts) reshards first.
         reshard = cfg.reshard_after_forward
         if reshard is None:
