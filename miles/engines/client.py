@@ -564,9 +564,14 @@ class EngineClient:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
-    async def weights_checksum(self, names: list[str] | None = None) -> dict[str, str]:
-        """Embedded-engine extension: {checkpoint name: sha256 hex} (see `tensor_sha256`)."""
-        q = ("?names=" + ",".join(names)) if names else ""
+    async def weights_checksum(self, names: list[str] | None = None,
+                               algorithm: str = "sha256") -> dict[str, str]:
+        """Embedded-engine extension: {checkpoint name: digest}. "sha256": see `tensor_sha256`;
+        "device": miles.weights.checks.device_digest, computed on the engine's device."""
+        query = [f"names={','.join(names)}"] if names else []
+        if algorithm != "sha256":
+            query.append(f"algorithm={algorithm}")
+        q = ("?" + "&".join(query)) if query else ""
         return (await self._get("/weights_checksum" + q))["checksums"]
 
 

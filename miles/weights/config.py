@@ -23,11 +23,13 @@ TransportName = Literal["nccl", "colocated", "disk", "disk_delta"]
 PauseMode = Literal["in_place", "retract"]
 GroupBackend = Literal["auto", "nccl", "gloo"]
 DeltaCodec = Literal["zlib", "lzma", "zstd"]
+ChecksumName = Literal["auto", "device", "sha256"]
 
 TRANSPORTS: tuple[str, ...] = TransportName.__args__  # type: ignore[attr-defined]
 PAUSE_MODES: tuple[str, ...] = PauseMode.__args__  # type: ignore[attr-defined]
 GROUP_BACKENDS: tuple[str, ...] = GroupBackend.__args__  # type: ignore[attr-defined]
 DELTA_CODECS: tuple[str, ...] = DeltaCodec.__args__  # type: ignore[attr-defined]
+CHECKSUM_NAMES: tuple[str, ...] = ChecksumName.__args__  # type: ignore[attr-defined]
 
 
 class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -36,7 +38,8 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     transport: TransportName = "nccl"
     bucket_bytes: int = 1 << 30          # tensors coalesced per engine call / broadcast
     pause_mode: PauseMode = "in_place"
-    check_weights: bool = False          # compare every engine parameter's sha256 after a publish
+    check_weights: bool = False          # compare every engine parameter's checksum after a publish
+    checksum: ChecksumName = "auto"      # auto: device when the trainer's tensors are on a GPU
 
     # --- timeouts (seconds) ---
     connect_timeout_s: float = 120.0     # engines join the weight-update group / answer model_info
@@ -70,6 +73,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("pause_mode", self.pause_mode, PAUSE_MODES)
         _choice("group_backend", self.group_backend, GROUP_BACKENDS)
         _choice("delta_codec", self.delta_codec, DELTA_CODECS)
+        _choice("checksum", self.checksum, CHECKSUM_NAMES)
         _count("bucket_bytes", self.bucket_bytes, low=1)
         _count("queue_depth", self.queue_depth, low=1)
         _count("inflight_buckets", self.inflight_buckets, low=1)

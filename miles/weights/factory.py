@@ -46,5 +46,5 @@ def make_transport(config: WeightsConfig, *, rank: Any = 0, world_size: int | No
         raise ValueError(f"weights.transport={name!r} is not one of nccl, colocated, disk, disk_delta")
     if config.check_weights and transport.is_sender:
         from miles.weights.checks import ChecksumTap
-        transport = ChecksumTap(transport)
+        transport = ChecksumTap(transport, config.checksum)
     return transport

@@ -28,8 +28,9 @@ Design decisions:
 - The version is set on every engine with `/update_weight_version` after the transfer (by the
   transport itself when it says `sets_version`), so requests that crossed the update report both
   versions in their `weight_versions` spans.
-- `check_weights` compares every engine parameter's sha256 (`/weights_checksum`) with what the
-  trainer sent (checks.py) after the engines are resumed, and raises on the first mismatch.
+- `check_weights` compares every engine parameter's checksum (`/weights_checksum`, the
+  `weights.checksum` algorithm) with what the trainer sent (checks.py) after the engines are
+  resumed, and raises on the first mismatch.
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ class WeightPublisher:
             raise WeightsMismatch(f"check_weights: version {version}: the trainer sent nothing "
                                   "(did run_update call the transport on this rank?)")
         try:
-            sums = await self._each("weights_checksum", timeout_s=self.cfg.check_timeout_s)
+            sums = await self._each("weights_checksum", algorithm=self.transport.algorithm,
+                                    timeout_s=self.cfg.check_timeout_s)
         except RuntimeError as e:
             raise WeightsMismatch(f"check_weights: version {version}: could not read engine "
                                   f"checksums ({e}); /weights_checksum is an embedded-engine "

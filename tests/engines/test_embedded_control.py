@@ -15,6 +15,7 @@ from miles.engines.client import (EngineClient, EngineRequestError, encode_tenso
                                   tensor_sha256)
 from miles.engines.embedded import launch_embedded_engine
 from miles.engines.embedded_engine.weights import init_custom_process_group
+from miles.weights.checks import device_digest
 from miles.engines.procs import free_port
 from miles.tiny import build_tiny_model
 
@@ -192,6 +193,9 @@ async def test_update_from_tensor_and_bad_update_leaves_weights(setup):
                                                  weight_version="9")
         assert res["success"]
         assert await c.weights_checksum([name]) == {name: tensor_sha256(sd_b[name])}
+        assert await c.weights_checksum([name], algorithm="device") == {name: device_digest(sd_b[name])}
+        with pytest.raises(EngineRequestError, match="algorithm: 'md5' is not one of"):
+            await c.weights_checksum([name], algorithm="md5")
         before = await c.weights_checksum()
         bad = {name: sd_a[name], "model.layers.9.mlp.down_proj.weight": sd_a[name].clone()}
         with pytest.raises(EngineRequestError, match="layers.9.*not a parameter"):

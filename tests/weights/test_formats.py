@@ -271,3 +271,42 @@ def test_send_pipeline_failure_reaches_the_caller():
         p.put(flatten([("t", torch.ones(1))], index=2))
     with pytest.raises(ConnectionError):
         p.drain()
+
+
+# ---- the device checksum ------------------------------------------------------------------------
+
+def test_device_digest_sees_every_word_and_its_position(monkeypatch):
+    from miles.weights import checks
+    from miles.weights.checks import device_digest
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(1000, 37, generator=g)
+    d = device_digest(t)
+    assert d == device_digest(t.clone()) and d.startswith("float32:148000:")
+    changed = t.clone()
+    changed[500, 3] = torch.nextafter(changed[500, 3], torch.tensor(1e9))  # one bit of one word
+    swapped = t.clone().reshape(-1)
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert len({d, device_digest(changed), device_digest(swapped.reshape(t.shape))}) == 3
+    assert device_digest(t[:999]) != d                                       # truncated
+    assert device_digest(t, torch.bfloat16) == device_digest(t.to(torch.bfloat16)) != d
+    odd = torch.arange(7, dtype=torch.uint8)                                 # padded to 8 bytes
+    assert device_digest(odd) != device_digest(torch.cat([odd, odd.new_zeros(1)]))
+    monkeypatch.setattr(checks, "_CHUNK_WORDS", 1000)                        # many chunks, same sum
+    assert device_digest(t) == d
+    assert device_digest(t.T) == device_digest(t.T.contiguous())             # bytes in logical order
+
+
+def test_checksum_tap_auto_picks_sha256_for_host_tensors_and_refuses_unknown_names():
+    from miles.weights.checks import ChecksumTap, tensor_sha256
+
+    class Sink:
+        is_sender = True
+
+        def send_bucket(self, named):
+            pass
+
+    tap = ChecksumTap(Sink())
+    tap.send_bucket([("w", torch.ones(3))])
+    assert tap.algorithm == "sha256" and tap.sent_checksums == {"w": tensor_sha256(torch.ones(3))}
+    with pytest.raises(ValueError, match="weights.checksum='md5' is not one of auto, device, sha256"):
+        ChecksumTap(Sink(), "md5")

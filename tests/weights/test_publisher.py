@@ -240,11 +240,12 @@ async def test_engines_that_do_not_resume_are_reported(engines):
 
 async def test_check_weights_names_the_first_differing_parameter(engines):
     fakes, log = engines
-    tap = ChecksumTap(Recording(log))
+    tap = ChecksumTap(Recording(log), "sha256")
     good = {"a": tensor_sha256(torch.ones(2)), "b": tensor_sha256(torch.zeros(1))}
     for f in fakes:
         f.checksums = dict(good)
-    pub = WeightPublisher(WeightsConfig(check_weights=True, **FAST), [f.url for f in fakes], tap)
+    pub = WeightPublisher(WeightsConfig(check_weights=True, checksum="sha256", **FAST),
+                          [f.url for f in fakes], tap)
     report = await pub.publish(1, run_update(tap))
     assert report.checked and tap.checksum_dtype == torch.float32
     fakes[1].checksums["b"] = "0" * 64

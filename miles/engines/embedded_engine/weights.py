@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from miles.weights.buckets import wait_stream
+from miles.weights.checks import device_digest
 from miles.engines.embedded_engine.model import (IGNORED_CHECKPOINT_SUFFIXES, Weights,
                                                  load_hf_config, shape_from_config)
 
@@ -349,6 +350,11 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def checksums(weights: Weights, names: list[str] | None = None) -> dict[str, str]:
+CHECKSUMS = {"sha256": tensor_sha256, "device": device_digest}
+
+
+def checksums(weights: Weights, names: list[str] | None = None,
+              algorithm: str = "sha256") -> dict[str, str]:
     selected = names if names else list(weights.names)
-    return {n: tensor_sha256(weights.lookup(n)) for n in selected}
+    digest = CHECKSUMS[algorithm]
+    return {n: digest(weights.lookup(n)) for n in selected}
