@@ -46,7 +46,7 @@ def tensor_sha256(t: torch.Tensor, dtype: torch.dtype | None = None) -> str:
 
 _P = (1 << 31) - 1
 _KEYS = ((1_103_515_245, 12_345), (2_147_483_629, 1_013_904_223))  # (A, B) pairs, both < P
-_CHUNK_WORDS = 1 << 24  # bounds the int64 temporaries (~128 MiB each)
+_CHUNK_WORDS = 1 << 22  # bounds the int64 temporaries (32 MiB each, a few alive at once)
 
 
 def device_digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> str:
@@ -66,7 +66,7 @@ def device_digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> str:
         for k, (a, b) in enumerate(_KEYS):
             h = (w * a % _P + i * b % _P) % _P   # every product < 2^62: no overflow
             h = h * h % _P
-            acc[k] = (acc[k] + h.sum() % _P) % _P  # a chunk's sum < 2^24 * 2^31 = 2^55
+            acc[k] = (acc[k] + h.sum() % _P) % _P  # a chunk's sum < 2^22 * 2^31 = 2^53
     a0, a1 = (int(x) for x in acc.tolist())
     return f"{str(t.dtype).removeprefix('torch.')}:{nbytes}:{a0:08x}{a1:08x}"
 
