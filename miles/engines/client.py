@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -188,13 +187,13 @@ def encode_tensor_payload(named_tensors) -> str:
 
 
 def tensor_sha256(t) -> str:
-    """The embedded engine's `/weights_checksum` of one tensor: sha256 of its raw bytes.
+    """The embedded engine's `/weights_checksum` of one tensor: sha256 of its raw bytes
+    (miles.weights.checks.tensor_sha256, the function the engine itself uses).
 
     Cast to the engine's dtype first (e.g. `t.to(torch.bfloat16)`) to compare with a bf16 engine.
     """
-    import torch
-    flat = t.detach().contiguous().cpu().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+    from miles.weights.checks import tensor_sha256 as sha256_of
+    return sha256_of(t)
 
 
 def _sampling_body(params) -> dict:

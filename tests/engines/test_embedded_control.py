@@ -106,18 +106,24 @@ async def test_pause_retract_recomputes_with_new_weights(setup):
     assert all(x.num_retractions >= 1 for x in results)
 
 
+async def join_gloo_group(c, group_name: str):
+    """The trainer's side of a 2-rank gloo weight-update group with the engine (rank 1)."""
+    port = free_port()
+    init = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2,
+                                                           group_name=group_name, backend="gloo"))
+    pg = await asyncio.to_thread(init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}",
+                                 2, 0, group_name)
+    assert (await init)["success"]
+    return pg
+
+
 async def test_distributed_gloo_update_while_paused_in_place(setup):
     a, b, url = setup
     sd = state_dict(b)
     names = sorted(sd)
-    port = free_port()
     async with EngineClient(url) as c:
         await reset(c, a, "6")
-        init = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2,
-                                                               group_name="miles_test", backend="gloo"))
-        pg = await asyncio.to_thread(init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}",
-                                     2, 0, "miles_test")
-        assert (await init)["success"]
+        pg = await join_gloo_group(c, "miles_test")
         try:
             tasks = await start_inflight(c)
             await c.pause_generation("in_place")
@@ -147,14 +153,9 @@ async def test_flat_buckets_posted_out_of_order_are_received_in_bucket_seq_order
     names = sorted(sd)
     halves = [names[: len(names) // 2], names[len(names) // 2:]]
     flats = [torch.cat([sd[n].reshape(-1) for n in part]) for part in halves]
-    port = free_port()
     async with EngineClient(url) as c:
         await reset(c, a, "6")
-        init = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2,
-                                                               group_name="miles_seq", backend="gloo"))
-        pg = await asyncio.to_thread(init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}",
-                                     2, 0, "miles_seq")
-        assert (await init)["success"]
+        pg = await join_gloo_group(c, "miles_seq")
         try:
             await c.pause_generation("in_place")
 

@@ -23,14 +23,14 @@ Design decisions:
   It is pipelined: the call posts its receive, completes the *previous* flat bucket, and answers;
   so the trainer's next call and this bucket's copy overlap the transfer. Anything else that
   touches the weights or the version first completes the pending bucket (`complete_pending`).
-- Checksums are sha256 of each tensor's raw bytes, contiguous, in the engine's dtype, keyed by
-  checkpoint name; `tensor_sha256` in client.py computes the same on the trainer side.
+- Checksums are the trainer's own functions (miles/weights/checks.py: sha256 of each tensor's raw
+  bytes, or the device digest), in the engine's dtype, keyed by checkpoint name, so both sides
+  can never compute them differently.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import math
 import threading
 import time
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from miles.weights.buckets import wait_stream
-from miles.weights.checks import device_digest
+from miles.weights.checks import CHECKSUMS
 from miles.engines.embedded_engine.model import (IGNORED_CHECKPOINT_SUFFIXES, Weights,
                                                  load_hf_config, shape_from_config)
 
@@ -344,14 +344,6 @@ class UpdateGroups:
 
 
 # ---- checksums ------------------------------------------------------------------------------
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    flat = t.detach().contiguous().cpu().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-CHECKSUMS = {"sha256": tensor_sha256, "device": device_digest}
-
 
 def checksums(weights: Weights, names: list[str] | None = None,
               algorithm: str = "sha256") -> dict[str, str]:
