@@ -17,7 +17,8 @@ Prints one JSON line per model:
   waiting in an NCCL call between rounds keeps a kernel spinning on the engine's GPU, which then
   time-slices the two processes and made publishes 1.5-3x slower in an earlier version of this
   bench. `frac_of_raw` = GBps / raw_broadcast_GBps.
-- After the timed rounds, every engine parameter's sha256 is compared with the trainer's tensors
+- After the timed rounds, every engine parameter's digest (the device digest on GPUs, sha256 on
+  hosts) is compared with the trainer's tensors
   (`checked`), so the figures are for bytes that really landed.
 - `delta_frac`: one real optimizer step (a forward/backward on random tokens, AdamW lr 1e-6 on fp32
   master copies, weights rounded back to bf16), then the disk-delta payload (XOR with the previous
@@ -26,12 +27,14 @@ Prints one JSON line per model:
 - Default: GPU 0 trainer -> GPU 1 engine, NCCL. `--tiny` (the default without 2 GPUs) is the CPU
   smoke test: tiny models, gloo, engine on CPU.
 
-- `--variants 1024:3,1024:1`: several (bucket MiB, inflight_buckets) settings timed one after the
-  other against the same engine, one JSON line each; the timeline fields say where the time went
-  (`first_post_s`: gather of the first bucket; `bucket_gap_ms_median`: between completions).
+- `--variants 1024:3,1024:3:0`: several (bucket MiB, inflight_buckets[, direct_min_bytes KiB])
+  settings timed one after the other against the same engine, one JSON line each; the timeline
+  fields say where the time went (`first_post_s`: gather of the first bucket;
+  `bucket_gap_ms_median`: between completions). `direct_tensors`: how many went zero-copy.
 
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
-       [--inflight 3] [--variants 1024:3,1024:1] [--rounds 3] [--tiny] [--no-check] [--no-delta]
+       [--inflight 3] [--direct-kb 1024] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
+       [--no-check] [--no-delta]
 """
 
 from __future__ import annotations
@@ -175,13 +178,17 @@ def run_update_for(model, transport, version: int, bucket_bytes: int):
     return run
 
 
-async def check_engine(model, url: str, bucket_bytes: int) -> int:
+async def check_engine(model, url: str, bucket_bytes: int) -> tuple[int, str]:
+    """Every engine parameter against the trainer's tensor: the device digest on GPUs (seconds
+    for 7B), sha256 on hosts. Returns (tensors checked, algorithm)."""
     from miles.engines.client import EngineClient
-    from miles.weights.checks import compare_checksums, tensor_sha256
-    trainer = {n: tensor_sha256(t) for n, t in hf_tensors(model, bucket_bytes)}
+    from miles.weights.checks import CHECKSUMS, compare_checksums
+    named = list(hf_tensors(model, bucket_bytes))
+    algorithm = "device" if named[0][1].is_cuda else "sha256"
+    trainer = {n: CHECKSUMS[algorithm](t) for n, t in named}
     async with EngineClient(url, timeout_s=1800) as c:
-        compare_checksums(trainer, await c.weights_checksum(), url=url, version=-1)
-    return len(trainer)
+        compare_checksums(trainer, await c.weights_checksum(algorithm=algorithm), url=url, version=-1)
+    return len(trainer), algorithm
 
 
 def delta_after_one_step(model, device: torch.device, threads: int) -> dict:
@@ -256,15 +263,15 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                     "--skip-tokenizer-init", "--disable-cuda-graph", "--max-total-tokens", "2048",
                     "--context-length", "2048", "--max-running-requests", "4", "--log-level", "info",
                     "--torch-threads", str(max(1, min(8, (os.cpu_count() or 2) // 2)))])
-    variants = [(int(b) << 20, int(i)) for b, i in (v.split(":") for v in args.variants.split(","))] \
-        if args.variants else [(bucket_bytes, args.inflight)]
+    variants = [parse_variant(v, args.direct_kb) for v in args.variants.split(",")] \
+        if args.variants else [(bucket_bytes, args.inflight, args.direct_kb << 10)]
     raw = None
     outs = []
     version = 1
     try:
         cfg = WeightsConfig(transport="nccl", bucket_bytes=variants[0][0], group_backend=backend,
                             queue_depth=args.queue_depth, inflight_buckets=variants[0][1],
-                            connect_timeout_s=300)
+                            direct_min_bytes=variants[0][2], connect_timeout_s=300)
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
@@ -274,9 +281,9 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
         raw_s = [await asyncio.to_thread(raw.round) for _ in range(args.rounds)]
         await asyncio.to_thread(raw.close)
         raw = None
-        for vb, vi in variants:
-            # the transport reads both at every begin()
-            cfg.bucket_bytes, cfg.inflight_buckets = vb, vi
+        for vb, vi, vd in variants:
+            # the transport reads these at every begin()
+            cfg.bucket_bytes, cfg.inflight_buckets, cfg.direct_min_bytes = vb, vi, vd
             await publisher.publish(version, run_update_for(model, transport, version, vb))  # warm-up
             version += 1
             pub_s, paused = [], []
@@ -285,6 +292,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 version += 1
                 pub_s.append(report.seconds)
                 paused.append(report.paused_s)
+                direct = report.direct_tensors
             seconds, raw_seconds = statistics.median(pub_s), statistics.median(raw_s)
             outs.append({
                 "bench": "weights", "model": name, "bytes": nbytes,
@@ -293,12 +301,13 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 "frac_of_raw": raw_seconds / seconds, "delta_frac": None, "machine": machine(),
                 "raw_seconds": raw_seconds, "paused_s": statistics.median(paused),
                 "bucket_bytes": vb, "inflight_buckets": vi, "buckets": math.ceil(nbytes / vb),
+                "direct_min_bytes": vd, "direct_tensors": direct, "publish_s_all": pub_s,
                 "ordered_calls": transport._ordered, "rounds": args.rounds, "checked_tensors": 0,
                 **timeline_summary(transport)})
         if not args.no_check:
-            checked = await check_engine(model, engine.url, bucket_bytes)
-            for out in outs:
-                out["checked_tensors"] = checked
+            checked, algorithm = await check_engine(model, engine.url, bucket_bytes)
+            for out in outs:  # (what the engine holds after the last variant's last publish)
+                out["checked_tensors"], out["check"] = checked, algorithm
         await publisher.close()
         transport.close()
     finally:
@@ -315,6 +324,14 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
     return outs
 
 
+def parse_variant(text: str, direct_kb: int) -> tuple[int, int, int]:
+    """'bucket MiB:inflight[:direct KiB]' -> (bucket_bytes, inflight_buckets, direct_min_bytes)."""
+    parts = [int(x) for x in text.split(":")]
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--variants: {text!r} is not MiB:inflight or MiB:inflight:directKiB")
+    return parts[0] << 20, parts[1], (parts[2] if len(parts) == 3 else direct_kb) << 10
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None)
@@ -323,8 +340,10 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=2)
     p.add_argument("--log-dir", type=Path, default=None, help="keep the engine logs here")
     p.add_argument("--inflight", type=int, default=3, help="weights.inflight_buckets")
-    p.add_argument("--variants", default="", help="e.g. 1024:3,1024:1,256:3 (bucket MiB:inflight), "
-                   "each timed against the same engine")
+    p.add_argument("--direct-kb", type=int, default=1024,
+                   help="weights.direct_min_bytes in KiB (0: every bucket one flat broadcast)")
+    p.add_argument("--variants", default="", help="e.g. 1024:3,1024:3:0,256:3 (bucket MiB:inflight"
+                   "[:direct KiB]), each timed against the same engine")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--trainer-device", default=None)
     p.add_argument("--engine-device", default=None)

@@ -512,13 +512,17 @@ class EngineClient:
                                               flush_cache: bool = True,
                                               abort_all_requests: bool = False,
                                               load_format: str | None = None,
-                                              bucket_seq: int | None = None) -> dict:
+                                              bucket_seq: int | None = None,
+                                              flat_count: int | None = None) -> dict:
         """Tell the engine to receive these tensors; the trainer broadcasts them (src 0) meanwhile.
 
         `load_format="flattened_bucket"`: the trainer broadcasts ONE flat tensor (all of one dtype,
         the tensors back to back in `names` order) instead of one broadcast per tensor.
         `bucket_seq` (embedded engines only): the engine posts this receive only after the one
         numbered `bucket_seq - 1` (0 starts a sequence), so several calls may be in flight.
+        `load_format="miles_direct"` (embedded engines only): the first `flat_count` tensors come
+        as one flat broadcast, then each of the others as its own broadcast, all in one group;
+        the engine receives those straight into its parameters.
         """
         body = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
                 "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
@@ -529,6 +533,8 @@ class EngineClient:
             body["load_format"] = load_format
         if bucket_seq is not None:
             body["bucket_seq"] = int(bucket_seq)
+        if flat_count is not None:
+            body["flat_count"] = int(flat_count)
         return await self._post("/update_weights_from_distributed", body, retry=False,
                                 timeout_s=self.weight_update_timeout_s)
 

@@ -40,6 +40,7 @@ class TransferStats:
     bytes: int = 0          # tensor bytes handed to send_bucket (full size, export dtype)
     buckets: int = 0        # buckets that went to the engines (after coalescing)
     payload_bytes: int = 0  # bytes actually written/sent (a delta is smaller than `bytes`)
+    direct_tensors: int = 0  # nccl: tensors sent zero-copy (`direct_min_bytes`)
 
 
 class GateClosed(RuntimeError):

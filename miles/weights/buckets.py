@@ -15,6 +15,11 @@ Design decisions:
   not for everything queued on the default stream, so a later gather never delays a broadcast.
 - The sender's first failure is kept and raised from the caller's next `put` or from `drain`:
   the caller stops gathering instead of feeding a dead link.
+- Direct tensors (`direct_min_bytes`, embedded engines only): tensors at least that large skip
+  the flatten and go on the wire as themselves, each its own broadcast after the bucket's flat
+  part (which packs the small ones, so a norm vector is never a broadcast of its own). The
+  bucket's names are reordered to match: packed ones first, then the direct ones. The engine
+  receives each direct tensor straight into its parameter storage, so neither side copies it.
 - Flat buffers come from a `BufferPool` kept by the transport across versions: a bucket is
   concatenated into a buffer whose broadcast has completed (`release()` after the sender saw it
   finish), so no publish asks the allocator for fresh GiB-sized blocks. The pool holds at most as
@@ -51,10 +56,11 @@ class FlatBucket:
     names: list[str]
     shapes: list[list[int]]
     dtype: torch.dtype
-    flat: torch.Tensor                 # 1-D, `dtype`, the tensors back to back
+    flat: torch.Tensor | None          # 1-D, `dtype`, the packed tensors back to back (None: none)
     ready: Any = None                  # torch.cuda.Event recorded after flattening (CUDA only)
     index: int = 0
     _release: Any = None               # gives the pool buffer back (after the transfer)
+    direct: list[torch.Tensor] = field(default_factory=list)  # the last len(direct) names, as is
 
     def release(self) -> None:
         """The transfer is complete: the flat buffer may be reused or freed."""
@@ -62,24 +68,37 @@ class FlatBucket:
             self._release()
             self._release = None
         self.flat = None
+        self.direct = []
+
+    @property
+    def flat_count(self) -> int:
+        """How many of `names` (the first ones) are packed into `flat`."""
+        return len(self.names) - len(self.direct)
+
+    @property
+    def wire(self) -> list[torch.Tensor]:
+        """The tensors broadcast for this bucket, in order: the flat part (if any), then each direct."""
+        return ([self.flat] if self.flat is not None else []) + self.direct
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        return sum(t.numel() * t.element_size() for t in self.wire)
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
     def views(self) -> NamedTensors:
-        """(name, tensor) views into `flat` (what a receiver rebuilds)."""
+        """(name, tensor) of every tensor in the bucket: views into `flat`, then the direct ones."""
         out, offset = [], 0
-        for name, shape in zip(self.names, self.shapes):
+        for name, shape in zip(self.names[:self.flat_count], self.shapes):
             n = 1
             for d in shape:
                 n *= d
             out.append((name, self.flat[offset:offset + n].view(shape)))
             offset += n
+        out += [(name, t.view(shape)) for name, shape, t in
+                zip(self.names[self.flat_count:], self.shapes[self.flat_count:], self.direct)]
         return out
 
 
@@ -114,35 +133,51 @@ class BufferPool:
 
 
 def flatten(named: NamedTensors, device: torch.device | None = None, index: int = 0,
-            pool: BufferPool | None = None) -> FlatBucket:
-    """One flat tensor of `named` (all of one dtype), on `device` (default: where they are)."""
+            pool: BufferPool | None = None, direct_min_bytes: int = 0) -> FlatBucket:
+    """One flat tensor of `named` (all of one dtype), on `device` (default: where they are).
+
+    `direct_min_bytes` > 0: contiguous tensors of at least that many bytes stay out of the flat
+    tensor (`FlatBucket.direct`, after the packed ones in `names`)."""
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) != 1:
         raise ValueError(f"flatten: a bucket must hold one dtype, got {sorted(map(str, dtypes))}")
-    parts = [t.detach().reshape(-1) for _, t in named]
-    release = None
-    same_device = device is None or parts[0].device == device
-    if len(parts) > 1 and pool is not None and same_device:
-        flat, release = pool.take(sum(p.numel() for p in parts), parts[0].dtype, parts[0].device)
-        torch.cat(parts, out=flat)
-    else:
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if device is not None and flat.device != device:
-        flat = flat.to(device)
+    packed, direct = [], []
+    for name, t in named:
+        t = t.detach()
+        if direct_min_bytes > 0 and t.is_contiguous() and \
+                t.numel() * t.element_size() >= direct_min_bytes:
+            direct.append((name, t if device is None else t.to(device)))
+        else:
+            packed.append((name, t))
+    parts = [t.reshape(-1) for _, t in packed]
+    flat, release = None, None
+    if parts:
+        same_device = device is None or parts[0].device == device
+        if len(parts) > 1 and pool is not None and same_device:
+            flat, release = pool.take(sum(p.numel() for p in parts), parts[0].dtype, parts[0].device)
+            torch.cat(parts, out=flat)
+        else:
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if device is not None and flat.device != device:
+            flat = flat.to(device)
+    first = flat if flat is not None else direct[0][1]
     ready = None
-    if flat.is_cuda:
+    if first.is_cuda:
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(flat.device))
-    return FlatBucket([n for n, _ in named], [list(t.shape) for _, t in named], flat.dtype, flat,
-                      ready, index, release)
+        ready.record(torch.cuda.current_stream(first.device))
+    ordered = packed + direct
+    return FlatBucket([n for n, _ in ordered], [list(t.shape) for _, t in ordered], first.dtype, flat,
+                      ready, index, release, [t.reshape(-1) for _, t in direct])
 
 
 class Coalescer:
     """Collects (name, tensor) pairs into flat buckets of about `bucket_bytes`, one dtype each."""
 
     def __init__(self, bucket_bytes: int, emit: Callable[[FlatBucket], None],
-                 device: torch.device | None = None, pool: BufferPool | None = None):
+                 device: torch.device | None = None, pool: BufferPool | None = None,
+                 direct_min_bytes: int = 0):
         self.bucket_bytes, self.emit, self.device, self.pool = bucket_bytes, emit, device, pool
+        self.direct_min_bytes = direct_min_bytes
         self._open: NamedTensors = []
         self._open_bytes = 0
         self.buckets = 0
@@ -159,7 +194,7 @@ class Coalescer:
     def flush(self) -> None:
         if not self._open:
             return
-        bucket = flatten(self._open, self.device, self.buckets, self.pool)
+        bucket = flatten(self._open, self.device, self.buckets, self.pool, self.direct_min_bytes)
         self._open, self._open_bytes = [], 0
         self.buckets += 1
         self.emit(bucket)

@@ -59,6 +59,8 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_timeout_s: float = 600.0       # torch-side timeout of each collective in the group
     queue_depth: int = 2                 # buckets gathered ahead of the one on the wire
     inflight_buckets: int = 3            # buckets on the wire at once (embedded engines; SGLang: 1)
+    direct_min_bytes: int = 1 << 20      # embedded engines: tensors this large go zero-copy, each
+    #                                      straight into the engine's parameter (0: all flattened)
 
     # --- disk / disk_delta ---
     disk_dir: str = ""                   # where versions are written (shared with the engines)
@@ -77,6 +79,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _count("bucket_bytes", self.bucket_bytes, low=1)
         _count("queue_depth", self.queue_depth, low=1)
         _count("inflight_buckets", self.inflight_buckets, low=1)
+        _count("direct_min_bytes", self.direct_min_bytes, low=0)
         _count("keep_versions", self.keep_versions, low=1)
         _count("delta_chunk_bytes", self.delta_chunk_bytes, low=1)
         _count("delta_threads", self.delta_threads, low=1)

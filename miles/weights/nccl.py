@@ -16,6 +16,11 @@ Design decisions:
   `engine: miles-embedded`) take a `bucket_seq` and post receives strictly in that order, so up to
   `inflight_buckets` calls are in flight at once and no HTTP round trip ever sits between two
   broadcasts: the link stays busy with back-to-back buckets.
+- Zero-copy on embedded engines (`direct_min_bytes` > 0, `load_format: "miles_direct"`): in a
+  bucket, tensors of at least that size are broadcast as they are (no flatten on the trainer),
+  after one flat broadcast of the small ones, all in one NCCL group per bucket; the engine posts
+  each direct receive straight into its parameter storage (no copy-out). The request names them
+  in wire order and says how many lead in the flat part (`flat_count`). SGLang gets flat buckets.
 - `finish` drains the sender and then calls `/update_weight_version` on every engine: that call
   is the barrier after which every engine holds the whole version (on the embedded engine it
   completes the last pipelined bucket; on SGLang it is a no-op barrier), and it reports failures.
@@ -36,7 +41,8 @@ from miles.weights.base import GateClosed, TransferStats, WeightTransport
 from miles.weights.buckets import BufferPool, Coalescer, FlatBucket, SendPipeline, wait_stream
 from miles.weights.config import WeightsConfig
 from miles.weights.engine_calls import EngineCalls
-from miles.weights.process_group import create_group_with_engines, destroy_group, free_port
+from miles.weights.process_group import (broadcast_all, create_group_with_engines, destroy_group,
+                                         free_port)
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +166,8 @@ class NcclTransport(WeightTransport):
         if self._pool.min_bytes != self.cfg.bucket_bytes:
             self._pool.clear()
             self._pool.min_bytes = self.cfg.bucket_bytes
-        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device, self._pool)
+        self._coalescer = Coalescer(self.cfg.bucket_bytes, self._pipeline.put, self.device, self._pool,
+                                    self.cfg.direct_min_bytes if self._ordered else 0)
 
     def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self._coalescer is None:
@@ -221,22 +228,27 @@ class NcclTransport(WeightTransport):
                 f"{bucket.nbytes / 2**20:.1f} MiB, first {bucket.names[0]!r})")
         t_post = time.perf_counter() - self._t0
         extra = {"bucket_seq": bucket.index} if self._ordered else {}
+        load_format = "flattened_bucket"
+        if bucket.direct:
+            load_format, extra["flat_count"] = "miles_direct", bucket.flat_count
+            self._stats.direct_tensors += len(bucket.direct)
         futures = self._calls.submit_all(
             "update_weights_from_distributed", bucket.names, [bucket.dtype_name] * len(bucket.names),
-            bucket.shapes, group_name=self.group_name, load_format="flattened_bucket",
+            bucket.shapes, group_name=self.group_name, load_format=load_format,
             timeout_s=cfg.bucket_timeout_s, **extra)
+        wire = bucket.wire
         stream = None
-        if bucket.flat.is_cuda:
+        if wire[0].is_cuda:
             # A side stream that waits only for this bucket's flatten, so a later gather on the
             # default stream never delays the broadcast.
-            if self._stream is None or self._stream.device != bucket.flat.device:
-                self._stream = torch.cuda.Stream(bucket.flat.device)
+            if self._stream is None or self._stream.device != wire[0].device:
+                self._stream = torch.cuda.Stream(wire[0].device)
             stream = self._stream
             with torch.cuda.stream(stream):
                 stream.wait_event(bucket.ready)
-                work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
+                work = broadcast_all(wire, pg)
         else:
-            work = dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)
+            work = broadcast_all(wire, pg)
         answered: list[float] = []
         for fut in futures:
             fut.add_done_callback(lambda _f: answered.append(time.perf_counter() - self._t0))

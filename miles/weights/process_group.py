@@ -26,6 +26,7 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -127,3 +128,27 @@ def destroy_group(pg) -> None:
         dist.destroy_process_group(pg)
     except Exception:  # noqa: BLE001 - the peers may be gone already
         pass
+
+
+class _Works:
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def broadcast_all(tensors: list[torch.Tensor], pg):
+    """Broadcast `tensors` from rank 0 in order, as one NCCL group (one launch) when there are
+    several on NCCL; returns one waitable. Both ends of a bucket call this (the trainer in
+    nccl.py, the engine in embedded_engine/weights.py), so they post the same sequence."""
+    if len(tensors) == 1:
+        return dist.broadcast(tensors[0], src=0, group=pg, async_op=True)
+    if dist.get_backend(pg) == "nccl":
+        from torch.distributed.distributed_c10d import _coalescing_manager
+        with _coalescing_manager(group=pg, device=tensors[0].device, async_ops=True) as cm:
+            for t in tensors:
+                dist.broadcast(t, src=0, group=pg, async_op=True)
+        return cm
+    return _Works([dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors])

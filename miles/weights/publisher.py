@@ -72,6 +72,7 @@ class PublishReport(msgspec.Struct, kw_only=True):
     bytes: int = 0          # full tensor bytes
     payload_bytes: int = 0  # bytes that moved (a delta is smaller)
     buckets: int = 0
+    direct_tensors: int = 0  # nccl: sent zero-copy, straight into engine parameters
     checked: bool = False
 
 
@@ -194,7 +195,7 @@ class WeightPublisher:
             paused_s=(resumed_at - paused_at) if paused_at is not None and resumed_at else 0.0,
             transfer_s=transfer_s, prepare_s=prepare_s, check_s=check_s, tensors=stats.tensors,
             bytes=stats.bytes, payload_bytes=stats.payload_bytes, buckets=stats.buckets,
-            checked=cfg.check_weights)
+            direct_tensors=stats.direct_tensors, checked=cfg.check_weights)
         self.last_report = report
         log.info("published version %d via %s: %.1f MiB (%.1f MiB moved) in %.3f s, paused %.3f s",
                  version, cfg.transport, report.bytes / 2**20, report.payload_bytes / 2**20,

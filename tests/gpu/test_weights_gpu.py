@@ -1,6 +1,8 @@
 """Weight transports on CUDA: colocated CUDA IPC (trainer and engine on one GPU), NCCL from GPU 0 to
 an engine on GPU 1 with a request in flight across the update, disk-delta into a CUDA engine. Every
-publish runs with check_weights (each engine parameter's sha256 equals what the trainer sent).
+publish runs with check_weights (each engine parameter's checksum equals what the trainer sent; the
+device digest when the trainer's tensors are on a GPU). The NCCL test sends v1 zero-copy
+(`direct_min_bytes`), v2 as flat buckets.
 
 Skipped without CUDA (the NCCL test needs 2 GPUs). Run:
     .venv/bin/python -m pytest tests/gpu/test_weights_gpu.py -q
@@ -99,12 +101,15 @@ async def test_nccl_gpu0_to_engine_on_gpu1_with_a_request_in_flight(tmp_path):
         await publisher.connect()
         async with EngineClient(engine.url) as c:
             for version in (1, 2):
+                # v1 zero-copy (matrices straight into the engine's parameters), v2 flat buckets
+                cfg.direct_min_bytes = (1 << 20) if version == 1 else 0  # read at begin()
                 nudge(model)
                 stream = c.generate_stream([5, 6, 7], {"max_new_tokens": 300, "temperature": 0.0,
                                                        "ignore_eos": True})
                 await stream.__anext__()
                 report = await publisher.publish(version, run_update(model, transport, version))
                 assert report.checked and report.buckets >= 2
+                assert (report.direct_tensors > 0) == (version == 1), report
                 last = None
                 async for chunk in stream:
                     last = chunk

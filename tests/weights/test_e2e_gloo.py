@@ -18,6 +18,8 @@ async def test_fsdp_two_ranks_to_two_engines(tmp_path):
     assert zero["connect_s"] < 10
     v1 = zero["v1"]
     assert v1["report"]["checked"] and v1["report"]["buckets"] > 2, v1["report"]
+    # Zero-copy: most tensors (the matrices) went straight into engine parameters, not all.
+    assert 0 < v1["report"]["direct_tensors"] < v1["report"]["tensors"], v1["report"]
     assert v1["versions"] == ["1", "1"]
     # The in-flight request crossed the in-place update: both versions, no gap, nothing lost.
     assert v1["finish"] == "length" and v1["tokens"] == 400
@@ -40,6 +42,7 @@ async def test_moe_bit_exact_then_disk_and_disk_delta(tmp_path):
         env={"ENGINE_URLS": urls[0], "MODEL_PATH": str(path), "WORK_DIR": str(tmp_path)})))[0]
     # nccl (gloo): bit-exact, per-expert names, and the same greedy tokens as the HF export.
     assert out["nccl"]["checked"] and out["nccl"]["tensors"] > 50
+    assert out["nccl"]["direct_tensors"] == 0  # direct_min_bytes=0: flat buckets only
     assert out["checksums_equal_export"]
     assert out["greedy_published"] == out["greedy_export"] and len(out["greedy_export"]) == 16
     # disk: checked, and only the newest versions are kept.

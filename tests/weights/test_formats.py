@@ -198,6 +198,26 @@ def test_coalescer_buckets_by_bytes_and_dtype():
         flatten([("x", x), ("y", y.double())])
 
 
+def test_direct_tensors_skip_the_flatten_and_follow_the_packed_ones():
+    big, small, big2, odd = torch.randn(16, 4), torch.randn(3), torch.randn(32), torch.randn(4, 16).t()
+    pool = BufferPool()
+    b = flatten([("big", big), ("small", small), ("big2", big2), ("odd", odd)], pool=pool,
+                direct_min_bytes=64)
+    # Packed first (the small one, and a non-contiguous one however large), then the direct ones.
+    assert b.names == ["small", "odd", "big", "big2"] and b.flat_count == 2
+    assert b.shapes == [[3], [16, 4], [16, 4], [32]]
+    assert b.direct[0].data_ptr() == big.data_ptr() and b.direct[1].data_ptr() == big2.data_ptr()
+    assert b.nbytes == 4 * (3 + 64 + 64 + 32) and len(b.wire) == 3
+    views = dict(b.views())
+    assert all(torch.equal(views[n], t) for n, t in
+               (("big", big), ("small", small), ("big2", big2), ("odd", odd)))
+    everything = flatten([("big", big), ("big2", big2)], direct_min_bytes=64)
+    assert everything.flat is None and everything.flat_count == 0 and len(everything.wire) == 2
+    b.release()
+    assert b.flat is None and b.direct == []
+    assert flatten([("big", big), ("small", small)]).flat_count == 2  # 0: all packed (SGLang's)
+
+
 def test_send_pipeline_keeps_order_and_overlaps_one_bucket():
     events = []
 

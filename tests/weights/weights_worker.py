@@ -101,7 +101,9 @@ def spans(result) -> list[list]:
 def nccl2(rank: RankInfo, out: dict) -> None:
     urls = os.environ["ENGINE_URLS"].split(",")
     backend = backend_for(os.environ["MODEL_PATH"], rank)
+    # direct_min_bytes: matrices go zero-copy ("miles_direct"), norms packed in the flat part.
     cfg = WeightsConfig(transport="nccl", check_weights=True, bucket_bytes=96 << 10, queue_depth=2,
+                        direct_min_bytes=16 << 10,
                         connect_timeout_s=30, bucket_timeout_s=30, control_timeout_s=30)
     transport = make_transport(cfg, rank=rank)
     samples = make_samples(groups=2, per_group=2, seed=3)
@@ -194,8 +196,9 @@ async def moe_async(rank: RankInfo, out: dict) -> None:
 
     # 1. nccl (gloo): bit-exact, and greedy generation equals an engine loaded from the HF export.
     await asyncio.to_thread(backend.train, samples)
+    # direct_min_bytes=0: every bucket one flat broadcast (SGLang's "flattened_bucket").
     cfg = WeightsConfig(transport="nccl", check_weights=True, bucket_bytes=256 << 10,
-                        connect_timeout_s=30, bucket_timeout_s=30)
+                        direct_min_bytes=0, connect_timeout_s=30, bucket_timeout_s=30)
     tr = make_transport(cfg, rank=rank)
     pub = WeightPublisher(cfg, [url], tr)
     await pub.connect()

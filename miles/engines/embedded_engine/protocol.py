@@ -172,6 +172,7 @@ class UpdateWeightsFromDistributedReq(msgspec.Struct):
     selector: str = "all"
     torch_empty_cache: bool = False
     bucket_seq: int | None = None  # Miles extension: receive strictly in this order (0 restarts)
+    flat_count: int | None = None  # Miles extension, load_format "miles_direct" (weights.py)
 
 
 class UpdateWeightsFromTensorReq(msgspec.Struct):

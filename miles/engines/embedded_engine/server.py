@@ -533,7 +533,7 @@ class EngineServer:
         t1 = time.perf_counter()
         try:
             return await self._update(self.groups.receive, self.runner.model.weights, b.group_name,
-                                      b.names, b.dtypes, b.shapes, b.load_format,
+                                      b.names, b.dtypes, b.shapes, b.load_format, b.flat_count,
                                       weight_version=b.weight_version, abort_all=b.abort_all_requests)
         finally:  # where a distributed update's time goes, logged at the version barrier
             t = self._recv_timing

@@ -23,6 +23,14 @@ Design decisions:
   It is pipelined: the call posts its receive, completes the *previous* flat bucket, and answers;
   so the trainer's next call and this bucket's copy overlap the transfer. Anything else that
   touches the weights or the version first completes the pending bucket (`complete_pending`).
+- `load_format: "miles_direct"` (Miles only; the trainer's `weights.direct_min_bytes`): the first
+  `flat_count` tensors come as one flat broadcast as above, then every other tensor as its own
+  broadcast, all posted as one NCCL group (`broadcast_all`, the trainer's own function). Each of
+  those is received straight into the parameter's storage (every checkpoint name is a contiguous
+  view, fused q/k/v and gate/up rows included), so the engine copies only the small ones. One
+  that cannot be (another dtype or device) lands in a scratch tensor copied in like a flat one.
+  The engine is paused for the update, as for every distributed update; a bucket with a bad name
+  or shape is still drained, into scratch only, then refused.
 - Checksums are the trainer's own functions (miles/weights/checks.py: sha256 of each tensor's raw
   bytes, or the device digest), in the engine's dtype, keyed by checkpoint name, so both sides
   can never compute them differently.
@@ -40,6 +48,7 @@ from pathlib import Path
 import torch
 
 from miles.weights.buckets import wait_stream
+from miles.weights.process_group import broadcast_all
 from miles.weights.checks import CHECKSUMS
 from miles.engines.embedded_engine.model import (IGNORED_CHECKPOINT_SUFFIXES, Weights,
                                                  load_hf_config, shape_from_config)
@@ -181,11 +190,16 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     return pg
 
 
-class _PendingBucket:
-    """A flat bucket whose receive is posted but not yet copied into the weights."""
+DIRECT_FORMAT = "miles_direct"
 
-    def __init__(self, work, flat: torch.Tensor, items: list[tuple[str, list[int]]]):
-        self.work, self.flat, self.items = work, flat, items
+
+class _PendingBucket:
+    """A bucket whose receives are posted but not yet complete: `items` are in `flat` and are
+    copied in at completion, as are the `scratch` tensors; the rest went straight into the weights."""
+
+    def __init__(self, work, flat: torch.Tensor | None, items: list[tuple[str, list[int]]],
+                 scratch: list[tuple[str, torch.Tensor]]):
+        self.work, self.flat, self.items, self.scratch = work, flat, items, scratch
 
 
 class UpdateGroups:
@@ -259,7 +273,8 @@ class UpdateGroups:
         return out
 
     def receive(self, weights: Weights, group_name: str, names: list[str], dtypes: list[str],
-                shapes: list[list[int]], load_format: str | None = None) -> None:
+                shapes: list[list[int]], load_format: str | None = None,
+                flat_count: int | None = None) -> None:
         """Receive the trainer's broadcasts (always all of them), then validate and apply."""
         import torch.distributed as dist
         pg = self.groups.get(group_name)
@@ -272,10 +287,17 @@ class UpdateGroups:
         backend = dist.get_backend(pg)
         recv_device = self.device if backend == "nccl" else torch.device("cpu")
         if load_format == "flattened_bucket":
-            return self._receive_flat(weights, pg, group_name, names, dtypes, shapes, recv_device)
+            return self._receive_flat(weights, pg, group_name, names, dtypes, shapes, recv_device,
+                                      len(names))
+        if load_format == DIRECT_FORMAT:
+            if flat_count is None or not 0 <= flat_count <= len(names):
+                raise ValueError(f"flat_count: {flat_count!r} must be in [0, {len(names)}] (the number "
+                                 f"of names) for load_format {DIRECT_FORMAT!r}")
+            return self._receive_flat(weights, pg, group_name, names, dtypes, shapes, recv_device,
+                                      flat_count)
         if load_format not in (None, "auto"):
             raise ValueError(f"load_format: {load_format!r} is not supported for distributed updates "
-                             "(None or 'flattened_bucket')")
+                             f"(None, 'flattened_bucket' or {DIRECT_FORMAT!r})")
         self.complete_pending(weights)
         received = []
         for name, dt, shape in zip(names, dtypes, shapes):
@@ -286,34 +308,50 @@ class UpdateGroups:
 
 
     def _receive_flat(self, weights: Weights, pg, group_name: str, names: list[str],
-                      dtypes: list[str], shapes: list[list[int]], recv_device: torch.device) -> None:
-        import torch.distributed as dist
+                      dtypes: list[str], shapes: list[list[int]], recv_device: torch.device,
+                      flat_count: int) -> None:
         kinds = {parse_dtype(d) for d in dtypes}
         if len(kinds) != 1:
             # The sender's flat tensor has no defined layout then; nothing sensible to receive.
             raise ValueError(f"dtypes: a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
-        numel = sum(math.prod(s) for s in shapes)
+        dtype = kinds.pop()
         t = time.perf_counter()
-        flat = self._recv_buffer(group_name, kinds.pop(), recv_device, numel)
         try:
             check_names_shapes(weights, [(n, tuple(s)) for n, s in zip(names, shapes)])
             bad = None
         except (KeyError, ValueError) as e:
             bad = e
+        wire: list[torch.Tensor] = []
+        flat = None
+        if flat_count:
+            flat = self._recv_buffer(group_name, dtype, recv_device,
+                                     sum(math.prod(s) for s in shapes[:flat_count]))
+            wire.append(flat)
+        scratch = []
+        for name, shape in zip(names[flat_count:], shapes[flat_count:]):
+            dst = weights.lookup(name) if bad is None else None
+            if dst is not None and dst.dtype == dtype and dst.device == recv_device \
+                    and dst.is_contiguous():
+                wire.append(dst.view(-1))  # straight into the parameter
+            else:
+                tmp = torch.empty(math.prod(shape), dtype=dtype, device=recv_device)
+                wire.append(tmp)
+                scratch.append((name, tmp.view(shape)))
         t = self._tick("alloc_check_s", t)
-        work = dist.broadcast(flat, src=0, group=pg, async_op=True)
+        work = broadcast_all(wire, pg)
         t = self._tick("post_s", t)
         self.timing["buckets"] = self.timing.get("buckets", 0) + 1
         self.posted_at.append(t)
         previous = self.pending.pop(group_name, None)
         if bad is None:
-            self.pending[group_name] = _PendingBucket(work, flat, list(zip(names, shapes)))
+            self.pending[group_name] = _PendingBucket(
+                work, flat, list(zip(names[:flat_count], shapes[:flat_count])), scratch)
         if previous is not None:
             self._apply_flat(weights, previous)
         if bad is not None:
             work.wait()  # drained, so both sides stay in step; then refused
-            if flat.is_cuda:
-                torch.cuda.current_stream(flat.device).synchronize()
+            if recv_device.type == "cuda":
+                torch.cuda.current_stream(recv_device).synchronize()
             raise bad
 
     def complete_pending(self, weights: Weights) -> None:
@@ -337,6 +375,8 @@ class UpdateGroups:
                 n = math.prod(shape)
                 weights.copy_in(name, p.flat[offset:offset + n].view(shape))
                 offset += n
+            for name, t in p.scratch:
+                weights.copy_in(name, t)
         self._tick("copy_enqueue_s", t)
         # No host sync here: the copies are ordered on the compute stream (generation runs there
         # too). A host sync per bucket kept the next receive from being posted until this bucket
