@@ -12,6 +12,7 @@ the straggler pattern of agentic and reasoning rollouts.
 
   .venv/bin/python bench/async_rl.py [--steps 8] [--median-tokens 24] [--device cpu|cuda]
       [--engine-device cuda:1] [--model tiny|small] [--max-staleness 4] [--log-dir DIR]
+      [--set KEY=VALUE ...]
 
 Design decisions:
 - The answer is scored on the response up to its first special token (EOS, `<|im_end|>`): the
@@ -119,6 +120,9 @@ def run_mode(mode: str, args, out: Path) -> dict:
     }
     if args.device == "cuda":
         sets.update({"engine.dtype": json.dumps("bfloat16"), "train.param_dtype": json.dumps("bfloat16")})
+    for item in args.set:  # --set KEY=VALUE: any other recipe override, last
+        key, _, value = item.partition("=")
+        sets[key] = value
     if args.model != "tiny":
         sets["model.tiny_overrides"] = "{%s}" % ", ".join(f"{k} = {v}" for k, v in MODELS[args.model].items())
     cmd = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml")]
@@ -178,6 +182,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--engine-device", default=None, help="e.g. cuda:1 (NCCL needs distinct GPUs)")
     ap.add_argument("--timeout-s", type=float, default=1200)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another recipe override for both modes (TOML value), e.g. train.compile=false")
     ap.add_argument("--log-dir", default=None,
                     help="stream each mode's output to DIR/async_rl_<mode>.log while it runs")
     args = ap.parse_args()
