@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -116,6 +117,7 @@ def run_mode(mode: str, args, out: Path) -> dict:
         "engine.device": json.dumps(args.engine_device or args.device), "engine.max_running_requests": 256,
         "engine.context_length": 4096, "cluster.head_port": _port(), "logging.progress": "false",
         "eval.mode": json.dumps("off"), "weights.check_weights": "false",
+        "engine.extra_args": '["--log-stats-interval-s", "2"]',
         "actors.rollout": '{class = "async_rl:HeavyTailWorker", options = {median_tokens = %d}}' % args.median_tokens,
     }
     if args.device == "cuda":
@@ -146,6 +148,9 @@ def run_mode(mode: str, args, out: Path) -> dict:
             raise RuntimeError(f"{mode} run timed out after {args.timeout_s:.0f} s (log: {log_path}):\n"
                                f"{_tail(log_path)}") from None
     wall = time.monotonic() - t0
+    for name in ("logs/engine0.log", "metrics.jsonl"):  # kept beside the run's log, for diagnosis
+        if (out / name).exists() and args.log_dir:
+            shutil.copy(out / name, Path(args.log_dir) / f"async_rl_{mode}_{Path(name).name}")
     if returncode != 0:
         raise RuntimeError(f"{mode} run failed ({returncode}, log: {log_path}):\n{_tail(log_path)}")
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]

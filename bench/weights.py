@@ -33,7 +33,7 @@ Prints one JSON line per model:
   `bucket_gap_ms_median`: between completions). `direct_tensors`: how many went zero-copy.
 
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
-       [--inflight 3] [--direct-kb 1024] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
+       [--inflight 3] [--direct-kb 8192] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
        [--no-check] [--no-delta]
 """
 
@@ -340,7 +340,7 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=2)
     p.add_argument("--log-dir", type=Path, default=None, help="keep the engine logs here")
     p.add_argument("--inflight", type=int, default=3, help="weights.inflight_buckets")
-    p.add_argument("--direct-kb", type=int, default=1024,
+    p.add_argument("--direct-kb", type=int, default=8192,
                    help="weights.direct_min_bytes in KiB (0: every bucket one flat broadcast)")
     p.add_argument("--variants", default="", help="e.g. 1024:3,1024:3:0,256:3 (bucket MiB:inflight"
                    "[:direct KiB]), each timed against the same engine")

@@ -7,6 +7,7 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--max-total-tokens N] [--context-length N] [--enable-return-routed-experts] \
         [--weight-version default] [--served-model-name NAME] [--random-seed N] \
         [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
+        [--log-stats-interval-s S] \
         [--load-format auto|safetensors|dummy] [--mem-fraction-kv F] [--log-level info]
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-stats-interval-s", type=float, default=30.0,
+                   help="an INFO line of decode/prefill/pause time and tokens/s this often (0: never)")
     return p
 
 

@@ -22,6 +22,7 @@ Design decisions:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,6 +202,7 @@ class _DecodeGraphs:
         self.inputs = torch.zeros(5, max_bs, dtype=torch.long, device=dev)
         self.hidden = torch.zeros(max_bs, runner.shape.hidden_size, dtype=runner.dtype, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0  # time spent capturing, in all (the stats line reports it)
         self.pool = None
         self._pad()
 
@@ -234,12 +236,18 @@ class _DecodeGraphs:
         log.info("captured decode CUDA graph batch=%d kv=%d", b, kv_bucket)
         return graph
 
+    @property
+    def captured(self) -> int:
+        return len(self.graphs)
+
     def run(self, host: torch.Tensor, kv_bucket: int):
         n = host.shape[1]
         b = next(x for x in self.buckets if x >= n)
         key = (b, kv_bucket)
         if key not in self.graphs:
+            t = time.perf_counter()
             self.graphs[key] = self._capture(b, kv_bucket)
+            self.capture_s += time.perf_counter() - t
         self._pad()
         self.inputs[:, :n].copy_(host, non_blocking=True)
         self.graphs[key].replay()

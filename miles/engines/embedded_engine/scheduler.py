@@ -20,6 +20,9 @@ Design decisions:
 - Weight versions: every output token records the version of the weights that produced its logits;
   runs of equal versions become `weight_versions` spans `{"version", "start", "end"}` (half-open
   ranges of output positions), so a request that crossed an update reports both versions.
+- Every `stats_interval_s` (`--log-stats-interval-s`, default 30; 0: never) one INFO line says
+  where the time went since the last one, like SGLang's decode log: decode steps, average batch,
+  ms per step, prefills and their time, paused time, tokens/s, CUDA graphs captured meanwhile.
 - Routed experts (R3): position p's routing is recorded when token p is forwarded (prefill for
   prompt positions, decode for outputs); recomputation after a retract overwrites them with the
   routing under the new weights, as SGLang's per-slot capture does.
@@ -87,9 +90,28 @@ class Request:
         return self.finish is not None
 
 
+class _Window:
+    """Counters since the last stats line."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.sums: dict[str, float] = {}
+        self.tokens0 = self.captured0 = 0
+        self.capture_s0 = 0.0
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def get(self, key: str) -> float:
+        return self.sums.get(key, 0.0)
+
+    def age(self) -> float:
+        return time.perf_counter() - self.t0
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_running_requests: int, max_prefill_tokens: int,
-                 weight_version: str, detokenize=None):
+                 weight_version: str, detokenize=None, stats_interval_s: float = 30.0):
         self.runner = runner
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -108,6 +130,8 @@ class Scheduler:
         self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "finished": 0,
                       "aborted": 0, "retractions": 0}
         self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
+        self.stats_interval_s = stats_interval_s
+        self._window = _Window()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -183,26 +207,56 @@ class Scheduler:
     async def _loop(self) -> None:
         while True:
             self.last_step_s = time.time()
+            if self.stats_interval_s and self._window.age() >= self.stats_interval_s:
+                self._log_window()
             if self.paused or not (self.waiting or self.running):
                 self._wake.clear()
                 if self.paused or not (self.waiting or self.running):
+                    t = time.perf_counter()
                     await self._wake.wait()
+                    self._window.add("paused_s" if self.paused else "idle_s", time.perf_counter() - t)
                 continue
             async with self.step_lock:
                 if self.paused:
                     continue
                 try:
+                    t = time.perf_counter()
                     batch = self._admit()
                     if batch:
                         await self._prefill(batch)
+                        self._window.add("prefill_s", time.perf_counter() - t)
+                        self._window.add("prefills", 1)
+                        self._window.add("prefill_reqs", len(batch))
                     elif self.running:
+                        n = len(self.running)
                         await self._decode()
+                        self._window.add("decode_s", time.perf_counter() - t)
+                        self._window.add("decodes", 1)
+                        self._window.add("decode_rows", n)
                 except Exception as e:  # a bug in one step must not kill the server
                     log.exception("engine step failed; aborting the requests of that step")
                     for req in list(self.running):
                         self._finish(req, {"type": "abort", "message": f"engine error: {e!r}",
                                            "status_code": 500, "err_type": "InternalServerError"})
             await asyncio.sleep(0)  # let HTTP handlers and control calls in between steps
+
+    def _log_window(self) -> None:
+        w, self._window = self._window, _Window()
+        captured = self.runner.graphs.captured if self.runner.graphs is not None else 0
+        g = w.get
+        steps = g("decodes")
+        log.info("engine stats over %.1f s: decode %d steps, batch %.1f, %.2f ms/step | prefill %d "
+                 "(%d requests, %.1f ms) | paused %.1f ms, idle %.1f ms | %.0f tok/s | "
+                 "running %d, waiting %d | cuda graphs captured %d (%.1f ms, %d in all)",
+                 w.age(), steps, g("decode_rows") / max(steps, 1), 1e3 * g("decode_s") / max(steps, 1),
+                 g("prefills"), g("prefill_reqs"), 1e3 * g("prefill_s"), 1e3 * g("paused_s"),
+                 1e3 * g("idle_s"), (self.stats["generated_tokens"] - w.tokens0) / max(w.age(), 1e-9),
+                 len(self.running), len(self.waiting), captured - w.captured0,
+                 1e3 * ((self.runner.graphs.capture_s if self.runner.graphs else 0.0) - w.capture_s0),
+                 captured)
+        self._window.tokens0 = self.stats["generated_tokens"]
+        self._window.captured0 = captured
+        self._window.capture_s0 = self.runner.graphs.capture_s if self.runner.graphs else 0.0
 
     def _admit(self) -> list[Request]:
         kv = self.runner.kv

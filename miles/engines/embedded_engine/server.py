@@ -73,6 +73,7 @@ class EngineServer:
         self.scheduler = Scheduler(runner, max_running_requests=args.max_running_requests,
                                    max_prefill_tokens=args.max_prefill_tokens,
                                    weight_version=args.weight_version,
+                                   stats_interval_s=args.log_stats_interval_s,
                                    detokenize=self._detok if tokenizer is not None else None)
         self.groups = W.UpdateGroups(runner.device)
         self._bucket_turn = asyncio.Condition()
