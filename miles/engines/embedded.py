@@ -7,7 +7,7 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--max-total-tokens N] [--context-length N] [--enable-return-routed-experts] \
         [--weight-version default] [--served-model-name NAME] [--random-seed N] \
         [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
-        [--log-stats-interval-s S] \
+        [--cuda-graph-precapture-kv N] [--log-stats-interval-s S] \
         [--load-format auto|safetensors|dummy] [--mem-fraction-kv F] [--log-level info]
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--cuda-graph-precapture-kv", type=int, default=1024,
+                   help="capture every batch size's decode graph at start-up for kv lengths up to "
+                        "this (0: capture each lazily, on first use)")
     p.add_argument("--mem-fraction-kv", type=float, default=0.5,
                    help="fraction of free device memory for the KV pool when --max-total-tokens is unset")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op CPU threads")
@@ -94,6 +97,7 @@ def build_server(args):
                        max_running_requests=args.max_running_requests,
                        max_total_tokens=args.max_total_tokens, context_length=args.context_length,
                        cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                       cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
                        mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format)
     runner = ModelRunner(args.model_path, cfg)
     tokenizer = None

@@ -145,3 +145,14 @@ def test_bench_smoke_on_cpu():
     assert [x["batch"] for x in lines] == [1, 2] and all(x["tok_per_s"] > 0 for x in lines)
     assert {"bench", "model", "ms_per_step", "hf_generate_tok_per_s", "hbm_bound_tok_per_s",
             "machine"} <= set(lines[0])
+
+
+def test_kv_buckets_up_to_match_the_buckets_decode_uses():
+    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
+    path = build_tiny_model(arch="qwen3")
+    r = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=4,
+                                            max_total_tokens=2000, context_length=300))
+    assert r.graphs is None  # CPU: eager decode, nothing captured
+    assert r.kv_buckets_up_to(1024) == [64, 128, 256, 300]  # the last one is the context length
+    assert r.kv_buckets_up_to(100) == [64, 128]
+    assert {r.kv_bucket_of(p) for p in range(300)} == set(r.kv_buckets_up_to(300))

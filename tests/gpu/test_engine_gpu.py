@@ -88,6 +88,17 @@ def test_cuda_graph_decode_equals_eager(dtype, n):
     assert len(r.graphs.graphs) >= 2  # captured lazily per (batch, kv) bucket
 
 
+def test_graphs_precaptured_at_start_then_lazily_past_the_limit():
+    _, r = make_runner("qwen3", "bfloat16", cuda_graph_precapture_kv=128)
+    g = r.graphs
+    assert set(g.graphs) == {(b, kv) for b in g.buckets for kv in (64, 128)} and g.capture_s > 0
+    seqs = seqs_of([150, 20], r.shape.vocab_size, seed=2)
+    rows, logits, _ = prefill(r, seqs)
+    ids = [int(lg[-1].argmax()) for lg in logits]
+    r.decode(ids, [len(s) for s in seqs], rows, r.kv.alloc(2), False)
+    assert (2, 256) in g.graphs and len(g.graphs) == 2 * len(g.buckets) + 1  # kv 256: on first use
+
+
 def test_graph_padding_rows_never_touch_live_kv():
     _, r = make_runner("qwen3", "float32")
     seqs = seqs_of([10, 20, 30], r.shape.vocab_size, seed=2)

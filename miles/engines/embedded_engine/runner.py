@@ -5,8 +5,12 @@ Design decisions:
   or requests, only token ids, KV slots and request rows.
 - Decode shapes are bucketed: the batch is padded to a batch bucket (1, 2, 4, 8, 16, 24, 32, 48,
   64, ...), and the keys each row gathers from the pool to a kv-length bucket (a power of two
-  >= 64). A (batch, kv) bucket pair is one CUDA graph, captured lazily the first time it is needed
-  and replayed afterwards; all graphs share one memory pool. Padding rows point at the reserved
+  >= 64). A (batch, kv) bucket pair is one CUDA graph, replayed whenever that pair comes again;
+  all graphs share one memory pool. At start-up every batch bucket is captured for every kv bucket
+  up to `cuda_graph_precapture_kv` (default 1024: 85 graphs at 256 requests, ~4 s for a 0.2B
+  model on an H200), largest batch first; longer kv buckets are captured lazily, the first time
+  they are needed. Lazily only, a short RL run paid ~1.2 s of its ~4.3 s measured in captures
+  (~48 ms each, 0.2B, H200), in the middle of generation. Padding rows point at the reserved
   scratch row/slot 0 of the pool, so replaying a graph never touches a live request it doesn't own.
 - The eager path runs the very same `Model.decode`, but gives each row its *own* kv bucket: rows
   are sorted by position and attention runs once per bucket (`segments`), so with heavy-tailed
@@ -47,6 +51,7 @@ class RunnerConfig:
     context_length: int | None = None
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
+    cuda_graph_precapture_kv: int = 1024  # capture at start-up for kv buckets up to this (0: none)
     mem_fraction_kv: float = 0.5     # of free device memory after weights, when max_total_tokens is unset
     load_format: str = "auto"        # "dummy": skip the checkpoint's weights (SGLang's flag)
 
@@ -89,6 +94,8 @@ class ModelRunner:
         log.info("embedded engine: %s %s on %s, KV pool %d tokens (%.1f MiB), cuda graphs %s",
                  self.shape.model_type, cfg.dtype, self.device, total,
                  self.kv.nbytes() / 2**20, self.use_graphs)
+        if self.graphs is not None and cfg.cuda_graph_precapture_kv > 0:
+            self.graphs.precapture(self.kv_buckets_up_to(cfg.cuda_graph_precapture_kv))
 
     def _default_pool_tokens(self, per_token: int, ctx: int) -> int:
         want = self.cfg.max_running_requests * ctx
@@ -190,6 +197,15 @@ class ModelRunner:
     def kv_bucket_of(self, max_position: int) -> int:
         return min(max(MIN_KV_BUCKET, next_pow2(max_position + 1)), self.context_length)
 
+    def kv_buckets_up_to(self, limit: int) -> list[int]:
+        """Every kv bucket `kv_bucket_of` can return for positions below `limit`."""
+        out = []
+        for position in range(min(limit, self.context_length)):
+            kv = self.kv_bucket_of(position)
+            if not out or out[-1] != kv:
+                out.append(kv)
+        return out
+
 
 class _DecodeGraphs:
     """Lazily captured CUDA graphs of `Model.decode`, keyed by (batch bucket, kv bucket)."""
@@ -217,7 +233,7 @@ class _DecodeGraphs:
         hidden, _ = r.model.decode(inp, kv_bucket, r.kv, r.kv.req_to_token, capture_routing=False)
         self.hidden[:b].copy_(hidden)
 
-    def _capture(self, b: int, kv_bucket: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, b: int, kv_bucket: int, quiet: bool = False) -> torch.cuda.CUDAGraph:
         saved = self.inputs.clone()
         self._pad()  # capture against scratch rows only
         stream = torch.cuda.Stream(self.runner.device)
@@ -233,8 +249,21 @@ class _DecodeGraphs:
             self._body(b, kv_bucket)
         self.pool = graph.pool()
         self.inputs.copy_(saved)
-        log.info("captured decode CUDA graph batch=%d kv=%d", b, kv_bucket)
+        if not quiet:
+            log.info("captured decode CUDA graph batch=%d kv=%d", b, kv_bucket)
         return graph
+
+    def precapture(self, kv_buckets: list[int]) -> None:
+        """Capture every batch bucket for these kv buckets now, largest batch first (the shared
+        pool is sized by the first capture and reused by the smaller ones)."""
+        t = time.perf_counter()
+        for kv_bucket in kv_buckets:
+            for b in reversed(self.buckets):
+                if (b, kv_bucket) not in self.graphs:
+                    self.graphs[(b, kv_bucket)] = self._capture(b, kv_bucket, quiet=True)
+        self.capture_s += time.perf_counter() - t
+        log.info("captured %d decode CUDA graphs (batch <= %d, kv buckets %s) in %.1f s",
+                 len(self.graphs), self.max_bs, kv_buckets, time.perf_counter() - t)
 
     @property
     def captured(self) -> int:
