@@ -237,6 +237,18 @@ def suite(arch: str, out: Path, with_options: bool = False) -> None:
         result["export_logprob_max_diff"] = float((torch.cat(lps) - train_lp.cpu()).abs().max())
         result["export_entropy_max_diff"] = float((torch.cat(ents) - train_ent.cpu()).abs().max())
 
+    # 6a. The fast dim-0 gather equals DTensor's own, for uneven shards too (5 rows on 2 ranks:
+    # 3 + 2; 1 row: 1 + 0).
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from miles.backends.hf_weights import _full_tensor
+    mesh = next(trainer.policy.parameters()).device_mesh
+    gen = torch.Generator().manual_seed(5)
+    for shape in ((5, 3), (1, 4), (7,), (4, 2)):
+        full = torch.randn(*shape, generator=gen).to(mesh.device_type)
+        dt = distribute_tensor(full, mesh, [Shard(0)])
+        assert torch.equal(_full_tensor(dt, None), full), shape
+        assert torch.equal(_full_tensor(dt, torch.bfloat16), full.to(torch.bfloat16)), shape
+
     # 6. update_weights: HF names (per-expert for MoE), the same tensors as the export, in buckets.
     transport = RecordingTransport(is_sender=rank.rank == 0)
     trainer.cfg.update_bucket_bytes = 64 << 10
