@@ -7,7 +7,7 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--max-total-tokens N] [--context-length N] [--enable-return-routed-experts] \
         [--weight-version default] [--served-model-name NAME] [--random-seed N] \
         [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
-        [--cuda-graph-precapture-kv N] [--log-stats-interval-s S] \
+        [--cuda-graph-precapture-kv N] [--prefill-interval-steps N] [--log-stats-interval-s S] \
         [--load-format auto|safetensors|dummy] [--mem-fraction-kv F] [--log-level info]
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--prefill-interval-steps", type=int, default=4,
+                   help="while requests decode, prefill new arrivals only every N decode steps "
+                        "(or once max(8, running/4) wait): fewer, larger prefills (0: at once)")
     p.add_argument("--log-stats-interval-s", type=float, default=30.0,
                    help="an INFO line of decode/prefill/pause time and tokens/s this often (0: never)")
     return p

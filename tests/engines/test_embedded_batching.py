@@ -156,3 +156,46 @@ def test_kv_buckets_up_to_match_the_buckets_decode_uses():
     assert r.kv_buckets_up_to(1024) == [64, 128, 256, 300]  # the last one is the context length
     assert r.kv_buckets_up_to(100) == [64, 128]
     assert {r.kv_bucket_of(p) for p in range(300)} == set(r.kv_buckets_up_to(300))
+
+
+async def test_arrivals_wait_for_the_prefill_interval_then_share_one_prefill():
+    from miles.engines.embedded_engine.protocol import SamplingParams
+    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
+    from miles.engines.embedded_engine.scheduler import Request, Scheduler
+    path = build_tiny_model(arch="qwen3")
+    runner = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=8,
+                                                 max_total_tokens=2000, context_length=512))
+    sch = Scheduler(runner, max_running_requests=8, max_prefill_tokens=4096, weight_version="0",
+                    prefill_interval=3)
+
+    def req(rid: str, n: int) -> Request:
+        return Request(rid=rid, input_ids=[5, 6, 7], params=SamplingParams(temperature=0.0),
+                       seed=0, max_new_tokens=n)
+
+    long = req("long", 60)
+    sch.submit(long)
+    sch.start()
+    try:
+        while len(long.output_ids) < 5:
+            await asyncio.sleep(0.001)
+        async with sch.step_lock:  # between two steps: both arrivals land before the next one
+            sch._decodes_since_prefill = 0
+            at = len(long.output_ids)
+            late = [req("b", 2), req("c", 2)]
+            for r in late:
+                sch.submit(r)
+            prefills = sch.stats["prefills"]
+
+        async def first_token() -> int:
+            while not late[0].output_ids:
+                await asyncio.sleep(0)
+            return len(long.output_ids)
+
+        when = await asyncio.wait_for(first_token(), 30)
+        await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in late)), 30)
+        # Both went in one prefill, after the running request decoded 3 more steps (not at once).
+        assert sch.stats["prefills"] == prefills + 1
+        assert [len(r.output_ids) for r in late] == [2, 2]
+        assert at + 3 <= when <= at + 4, (at, when)
+    finally:
+        await sch.close()

@@ -9,6 +9,12 @@ Design decisions:
   `max_prefill_tokens`) or one decode step over every running request, like SGLang's
   prefill/decode alternation. A request admitted mid-flight joins the next decode step; a finished
   one frees its KV slots immediately.
+- While requests decode, arrivals are prefilled every `prefill_interval` decode steps (default 4,
+  `--prefill-interval-steps`), or at once when max(8, running/4) of them wait: an RL rollout
+  submits groups one at a time, and prefilling each the moment it came stalled every running
+  request once per group. Measured on the RL bench (2-core CPU, 4 runs each): fully-async
+  0.228 s/step with 4 against 0.238 with 0 (prefill at once); a new request waits at most 4 decode
+  steps longer for its first token.
 - Admission is bounded by `max_running_requests`, free request rows and free KV slots (keeping one
   slot of headroom per running request). If the pool still runs dry during decode, the newest
   requests are *retracted* (KV freed, put back at the head of the queue, recomputed later), as
@@ -111,7 +117,8 @@ class _Window:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_running_requests: int, max_prefill_tokens: int,
-                 weight_version: str, detokenize=None, stats_interval_s: float = 30.0):
+                 weight_version: str, detokenize=None, stats_interval_s: float = 30.0,
+                 prefill_interval: int = 4):
         self.runner = runner
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -131,6 +138,8 @@ class Scheduler:
                       "aborted": 0, "retractions": 0}
         self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
         self.stats_interval_s = stats_interval_s
+        self.prefill_interval = prefill_interval
+        self._decodes_since_prefill = 0
         self._window = _Window()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -221,8 +230,9 @@ class Scheduler:
                     continue
                 try:
                     t = time.perf_counter()
-                    batch = self._admit()
+                    batch = self._admit() if self._prefill_due() else []
                     if batch:
+                        self._decodes_since_prefill = 0
                         await self._prefill(batch)
                         self._window.add("prefill_s", time.perf_counter() - t)
                         self._window.add("prefills", 1)
@@ -230,6 +240,7 @@ class Scheduler:
                     elif self.running:
                         n = len(self.running)
                         await self._decode()
+                        self._decodes_since_prefill += 1
                         self._window.add("decode_s", time.perf_counter() - t)
                         self._window.add("decodes", 1)
                         self._window.add("decode_rows", n)
@@ -257,6 +268,12 @@ class Scheduler:
         self._window.tokens0 = self.stats["generated_tokens"]
         self._window.captured0 = captured
         self._window.capture_s0 = self.runner.graphs.capture_s if self.runner.graphs else 0.0
+
+    def _prefill_due(self) -> bool:
+        """Prefill now, or decode `prefill_interval` more steps first (collecting arrivals into one
+        larger prefill)? Always when nothing is decoding or enough requests wait."""
+        return (not self.running or self._decodes_since_prefill >= self.prefill_interval
+                or len(self.waiting) >= max(8, len(self.running) // 4))
 
     def _admit(self) -> list[Request]:
         kv = self.runner.kv
