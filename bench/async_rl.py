@@ -14,6 +14,9 @@ the straggler pattern of agentic and reasoning rollouts.
       [--engine-device cuda:1] [--model tiny|small] [--max-staleness 4] [--log-dir DIR]
       [--set KEY=VALUE ...]
 
+Beside the loop's figures each line carries the engine's own view, parsed from its periodic stats
+lines (`engine_decode_batch`, `engine_ms_per_decode`, `engine_prefill_frac`, `engine_paused_frac`).
+
 Design decisions:
 - The answer is scored on the response up to its first special token (EOS, `<|im_end|>`): the
   forced tail after it is what the length distribution adds, not what the model answered, so
@@ -34,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -163,6 +167,7 @@ def run_mode(mode: str, args, out: Path) -> dict:
     last, first = actors[-1], actors[0]
     trainer_idle = last["buffer/trainer_wait_s"] - first["buffer/trainer_wait_s"]
     engine_idle = last["rollout/engine_idle_s"] - first["rollout/engine_idle_s"]
+    engine = engine_summary(out / "logs" / "engine0.log")
     return {"bench": "async_rl", "mode": mode, "step_s": round(span / steps, 3),
             "trainer_idle_frac": round(min(1.0, trainer_idle / span), 3),
             "engine_idle_frac": round(min(1.0, engine_idle / span), 3),
@@ -171,7 +176,30 @@ def run_mode(mode: str, args, out: Path) -> dict:
             "train_s": round(float(np.mean([r["perf/train_s"] for r in train[1:]])), 3),
             "publish_s": round(float(np.mean([r["perf/step_s"] - r["perf/train_s"] for r in train[1:]])), 3),
             "response_len": round(float(np.mean([r["rollout/response_len"] for r in train])), 1),
-            "samples_per_step": args.groups * 4, "steps": len(train), "wall_s": round(wall, 1)}
+            "samples_per_step": args.groups * 4, "steps": len(train), "wall_s": round(wall, 1),
+            **engine}
+
+
+STATS = re.compile(r"engine stats over ([\d.]+) s: decode (\d+) steps, batch ([\d.]+), ([\d.]+) ms/step "
+                   r"\| prefill (\d+) \((\d+) requests, ([\d.]+) ms\) \| paused ([\d.]+) ms, idle ([\d.]+) ms")
+
+
+def engine_summary(log_path: Path) -> dict:
+    """The engine's own view from its periodic stats lines (every 2 s; windows that decoded
+    nothing, like the warm-up, are skipped): mean decode batch, ms per decode step, and the share
+    of its time in prefill, paused and idle."""
+    if not log_path.exists():
+        return {}
+    rows = [tuple(map(float, m.groups())) for m in STATS.finditer(log_path.read_text(errors="replace"))]
+    rows = [r for r in rows if r[1] > 0]
+    if not rows:
+        return {}
+    secs, steps = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    return {"engine_decode_batch": round(sum(r[1] * r[2] for r in rows) / steps, 1),
+            "engine_ms_per_decode": round(sum(r[1] * r[3] for r in rows) / steps, 2),
+            "engine_prefill_frac": round(sum(r[6] for r in rows) / 1e3 / secs, 3),
+            "engine_paused_frac": round(sum(r[7] for r in rows) / 1e3 / secs, 3),
+            "engine_idle_frac_log": round(sum(r[8] for r in rows) / 1e3 / secs, 3)}
 
 
 def main() -> None:
