@@ -15,7 +15,7 @@ for part in "$@"; do
     engine)   timeout ${T_ENGINE:-300} python3 bench/engine.py 2>&1 | tee "$OUT/engine.log" | grep '^{' > "$OUT/engine.jsonl" ;;
     train)    timeout ${T_TRAIN:-270} python3 bench/train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" | grep '^{' > "$OUT/train.jsonl" ;;
     weights)  timeout ${T_WEIGHTS:-300} python3 bench/weights.py ${WEIGHTS_ARGS:---no-check} 2>&1 | tee "$OUT/weights.log" | grep '^{' > "$OUT/weights.jsonl" ;;
-    async_rl) timeout ${T_ASYNC:-450} python3 bench/async_rl.py --device cuda --engine-device cuda:1 --steps ${ASYNC_STEPS:-8} ${ASYNC_ARGS:-} 2>&1 | tee "$OUT/async_rl.log" | grep '^{' > "$OUT/async_rl.jsonl" ;;
+    async_rl) timeout ${T_ASYNC:-450} python3 bench/async_rl.py --device cuda --engine-device cuda:1 --steps ${ASYNC_STEPS:-10} --timeout-s 200 --log-dir "$OUT/async_logs" ${ASYNC_ARGS:---model small --max-staleness 3 --set train.compile=false} 2>&1 | tee "$OUT/async_rl.log" | grep '^{' > "$OUT/async_rl.jsonl"; rm -f "$OUT"/async_logs/*metrics.jsonl ;;
   esac
   echo "== $part rc=$?"; tail -5 "$OUT/$part.log" 2>/dev/null
 done
