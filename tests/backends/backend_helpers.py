@@ -75,3 +75,15 @@ def run_ranks(scenario: str, out_dir: Path, *, world_size: int = 2, timeout_s: f
             raise AssertionError(f"rank {rank} of {scenario!r} exited {proc.returncode}:\n{text[-6000:]}")
         results.append(json.loads(out.read_text()))
     return results
+
+
+def logprobs_and_grad(fn, logits, targets, coef_lp, coef_ent, temperature, entropy_weight):
+    """(logprobs, entropy, d loss / d logits) of a token-logprob function `fn`, with
+    loss = sum c lp + w sum c' H (the fused-kernel tests compare paths with it)."""
+    x = logits.clone().requires_grad_()
+    lp, ent = fn(x * 1, targets, temperature=temperature)  # "* 1": token_logprobs reuses its input
+    loss = (lp * coef_lp).sum()
+    if entropy_weight:
+        loss = loss + entropy_weight * (ent * coef_ent).sum()
+    loss.backward()
+    return lp.detach(), ent.detach(), x.grad

@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from backend_helpers import logprobs_and_grad  # noqa: E402
+
 from miles.backends import logprobs  # noqa: E402
 from miles.backends.logprobs import reference_token_logprobs, token_logprobs  # noqa: E402
 
@@ -37,15 +39,7 @@ def _inputs(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0, scale: flo
     return [t.to(DEVICE) for t in (logits, targets, coef_lp, coef_ent)]
 
 
-def _run(fn, logits, targets, coef_lp, coef_ent, temperature, entropy_weight):
-    """(logprobs, entropy, d loss / d logits) with loss = sum c lp + w sum c' H."""
-    x = logits.clone().requires_grad_()
-    lp, ent = fn(x * 1, targets, temperature=temperature)  # "* 1": token_logprobs reuses its input
-    loss = (lp * coef_lp).sum()
-    if entropy_weight:
-        loss = loss + entropy_weight * (ent * coef_ent).sum()
-    loss.backward()
-    return lp.detach(), ent.detach(), x.grad
+_run = logprobs_and_grad
 
 
 def _assert_grad_close(got, want, rel):

@@ -7,10 +7,17 @@ Skipped without CUDA. Run: .venv/bin/python -m pytest tests/gpu/test_logprobs_fu
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+
+from backend_helpers import logprobs_and_grad  # noqa: E402
 
 from miles.backends import logprobs  # noqa: E402
 from miles.backends.logprobs import reference_token_logprobs, token_logprobs  # noqa: E402
@@ -25,14 +32,7 @@ def _inputs(rows: int, vocab: int, dtype: torch.dtype):
     return logits, targets, coef_lp, coef_ent
 
 
-def _run(fn, logits, targets, coef_lp, coef_ent, temperature, entropy_weight):
-    x = logits.clone().requires_grad_()
-    lp, ent = fn(x * 1, targets, temperature=temperature)  # "* 1": token_logprobs reuses its input
-    loss = (lp * coef_lp).sum()
-    if entropy_weight:
-        loss = loss + entropy_weight * (ent * coef_ent).sum()
-    loss.backward()
-    return lp.detach(), ent.detach(), x.grad
+_run = logprobs_and_grad
 
 
 def _assert_close(got, want, grad_rel):

@@ -35,6 +35,7 @@ def test_decode_errors_name_the_key(toml, needle):
 @pytest.mark.parametrize("kwargs, needle", [
     ({"bucket_bytes": 0}, "weights.bucket_bytes=0 must be an integer >= 1"),
     ({"queue_depth": 0}, "weights.queue_depth=0"),
+    ({"direct_min_bytes": -1}, "weights.direct_min_bytes=-1 must be an integer >= 0"),
     ({"pause_timeout_s": 0}, "weights.pause_timeout_s=0 must be a finite number > 0"),
     ({"transfer_timeout_s": float("inf")}, "weights.transfer_timeout_s=inf"),
     ({"master_port": 70000}, "weights.master_port=70000 must be <= 65535"),

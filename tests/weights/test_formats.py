@@ -218,6 +218,27 @@ def test_direct_tensors_skip_the_flatten_and_follow_the_packed_ones():
     assert flatten([("big", big), ("small", small)]).flat_count == 2  # 0: all packed (SGLang's)
 
 
+def test_a_direct_bucket_with_a_bad_flat_count_is_refused_before_anything_is_received():
+    import socket
+    from miles.engines.embedded_engine.model import Weights, shape_from_config, load_hf_config
+    from miles.engines.embedded_engine.weights import UpdateGroups, init_custom_process_group
+    from miles.tiny import build_tiny_model
+    weights = Weights(shape_from_config(load_hf_config(build_tiny_model(arch="qwen3"))),
+                      torch.device("cpu"), torch.float32)
+    before = weights.embed.clone()
+    groups = UpdateGroups(torch.device("cpu"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    groups.groups["g"] = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 1, 0, "g", 30)
+    names = ["model.norm.weight", "model.embed_tokens.weight"]
+    shapes = [list(weights.final_norm.shape), list(weights.embed.shape)]
+    for bad in (3, -1, None):
+        with pytest.raises(ValueError, match=f"flat_count: {bad!r} must be in \\[0, 2\\]"):
+            groups.receive(weights, "g", names, ["float32"] * 2, shapes, "miles_direct", bad)
+    assert not groups.pending and torch.equal(weights.embed, before)
+
+
 def test_send_pipeline_keeps_order_and_overlaps_one_bucket():
     events = []
 
