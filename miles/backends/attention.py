@@ -87,6 +87,17 @@ def _varlen(query, key, value, cu_seqlens, max_len, scaling):
     # varlen_attn wants [T, H, D]; transformers' q/k/v are [1, T, H, D] transposed, so this is
     # normally a free view and .contiguous() a no-op.
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    return varlen_causal(q, k, v, cu_seqlens, max_len, scaling)
+
+
+def varlen_enabled() -> bool:
+    """Whether `enable_varlen_kernel` found a working FlashAttention varlen kernel."""
+    return _varlen_fn is not None
+
+
+def varlen_causal(q, k, v, cu_seqlens, max_len, scaling):
+    """Causal attention within each sequence of a packed batch: q [T, Hq, D], k/v [T, Hkv, D],
+    `cu_seqlens` int32 [B + 1] -> [T, Hq, D]. Only after `enable_varlen_kernel` returned True."""
     kw = {"scale": scaling}
     if "window_size" in _varlen_params:
         kw["window_size"] = (-1, 0)   # (-1, 0) is causal in the window_size form

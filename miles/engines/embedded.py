@@ -8,7 +8,8 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--weight-version default] [--served-model-name NAME] [--random-seed N] \
         [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
         [--cuda-graph-precapture-kv N] [--prefill-interval-steps N] [--log-stats-interval-s S] \
-        [--load-format auto|safetensors|dummy] [--mem-fraction-kv F] [--log-level info]
+        [--prefill-attention auto|varlen|sdpa] [--load-format auto|safetensors|dummy] \
+        [--mem-fraction-kv F] [--log-level info]
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
 registers it like an SGLang worker (`/server_info`, `/model_info`, `/v1/models`, `dp_size: 1`).
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-precapture-kv", type=int, default=1024,
                    help="capture every batch size's decode graph at start-up for kv lengths up to "
                         "this (0: capture each lazily, on first use)")
+    p.add_argument("--prefill-attention", choices=("auto", "varlen", "sdpa"), default="auto",
+                   help="auto: FlashAttention varlen on CUDA in bf16/fp16 when it works, else sdpa "
+                        "(causal, over right-padded sequences); varlen: refuse to start without it")
     p.add_argument("--mem-fraction-kv", type=float, default=0.5,
                    help="fraction of free device memory for the KV pool when --max-total-tokens is unset")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op CPU threads")
@@ -101,7 +105,8 @@ def build_server(args):
                        max_total_tokens=args.max_total_tokens, context_length=args.context_length,
                        cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
                        cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
-                       mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format)
+                       mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format,
+                       prefill_attention=args.prefill_attention)
     runner = ModelRunner(args.model_path, cfg)
     tokenizer = None
     if not args.skip_tokenizer_init:

@@ -158,6 +158,39 @@ def test_kv_buckets_up_to_match_the_buckets_decode_uses():
     assert {r.kv_bucket_of(p) for p in range(300)} == set(r.kv_buckets_up_to(300))
 
 
+def test_batched_prefill_of_uneven_lengths_equals_each_alone_and_bad_attention_is_refused():
+    """One padded prefill over sequences of lengths 5, 33, 1 and 17 (causal SDPA over a
+    right-padded view, indices built on the host) gives each sequence the logits and K/V it
+    gets alone, for plain sampling and for prompt log-probs from an inner position."""
+    import torch
+
+    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
+    path = build_tiny_model(arch="qwen3")
+    r = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=16,
+                                            max_total_tokens=4000, context_length=128))
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(1, r.shape.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 1, 17)]
+    starts = [4, 10, 0, 0]  # len-1 (sampling only), then from an inner position, then from 0
+
+    def run(batch):
+        rows = [r.kv.alloc_row() for _ in batch]
+        slots = [r.kv.alloc(len(seqs[i])) for i in batch]
+        logits, _ = r.prefill([seqs[i] for i in batch], rows, slots, [starts[i] for i in batch], False)
+        keys = [r.kv.k[1][torch.from_numpy(s)].clone() for s in slots]
+        return logits, keys
+
+    together, keys = run([0, 1, 2, 3])
+    for i in range(4):
+        (alone,), (key,) = run([i])
+        assert together[i].shape == (len(seqs[i]) - starts[i], r.shape.vocab_size)
+        torch.testing.assert_close(together[i], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(keys[i], key, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prefill_attention: 'varlen' needs"):
+        ModelRunner(str(path), RunnerConfig(device="cpu", max_total_tokens=500, prefill_attention="varlen"))
+    with pytest.raises(ValueError, match="prefill_attention: 'flash' is not"):
+        ModelRunner(str(path), RunnerConfig(device="cpu", max_total_tokens=500, prefill_attention="flash"))
+
+
 async def test_arrivals_wait_for_the_prefill_interval_then_share_one_prefill():
     from miles.engines.embedded_engine.protocol import SamplingParams
     from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig

@@ -65,6 +65,39 @@ def test_prefill_and_decode_match_hf_fp32(arch):
             assert (ref - logits[i].log_softmax(-1)).abs().max().item() <= 2e-4
 
 
+def test_bf16_prefill_varlen_and_padded_sdpa_both_match_hf():
+    """Both prefill attention paths (FlashAttention varlen when the probe passes, else causal SDPA
+    over a right-padded view), for sequences of uneven lengths in one batch, are as close to the
+    fp32 truth as transformers' own bf16 forward is (a wrong mask or a padded key leaking in
+    would be far off)."""
+    path, r = make_runner("qwen3", "bfloat16")
+    print(f"prefill attention: {'varlen' if r.model.varlen is not None else 'padded sdpa'}")
+    seqs = seqs_of([5, 33, 1, 17, 64], r.shape.vocab_size, seed=3)
+    hf32, hf16 = hf_model(path), hf_model(path, torch.bfloat16)
+    with torch.no_grad():
+        refs = [hf32(torch.tensor([s], device="cuda")).logits[0].float().log_softmax(-1) for s in seqs]
+        base = [(hf16(torch.tensor([s], device="cuda")).logits[0].float().log_softmax(-1) - ref).abs()
+                for s, ref in zip(seqs, refs)]
+    got = {}
+    for name, varlen in {"auto": r.model.varlen, "padded": None}.items():
+        r.model.varlen = varlen
+        rows, logits, _ = prefill(r, seqs)
+        got[name] = [lg.log_softmax(-1) for lg in logits]
+        for row in rows:
+            r.kv.free_row(row)
+    failures = []
+    for name, lps in got.items():
+        for s, lp, ref, b in zip(seqs, lps, refs, base):
+            err = (lp - ref).abs()
+            # per position: mean error over the vocabulary, against HF bf16's at that position
+            worst, allowed = err.mean(-1).max().item(), 2 * b.mean(-1).max().item() + 0.01
+            print(f"{name} len {len(s)}: worst position mean err {worst:.4f} (HF bf16 "
+                  f"{b.mean(-1).max().item():.4f}), max err {err.max().item():.3f}")
+            if worst > allowed:
+                failures.append((name, len(s), worst, allowed))
+    assert not failures, failures
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n", [8, 5])  # 8 is a bucket (identical shapes), 5 is padded to 8
 def test_cuda_graph_decode_equals_eager(dtype, n):
@@ -82,8 +115,13 @@ def test_cuda_graph_decode_equals_eager(dtype, n):
         # (cuBLAS may pick another algorithm under capture, or for the padded shape when n=5).
         tol = 1e-4 if dtype == "float32" else 0.1
         assert (eager - graph).abs().max().item() <= tol, step
-        assert torch.equal(eager.argmax(-1), graph.argmax(-1)), step
-        ids = graph.argmax(-1).tolist()
+        # The same token, or in bf16 a near-tie: the graph's pick is within rounding of eager's top
+        # logit (a random-weight model's 512 logits are close together; ties do come up).
+        picked = graph.argmax(-1)
+        gap = eager.max(-1).values - eager.gather(1, picked[:, None])[:, 0]
+        assert (torch.equal(eager.argmax(-1), picked) if dtype == "float32"
+                else gap.max().item() <= tol), (step, gap)
+        ids = picked.tolist()
         pos = [p + 1 for p in pos]
     assert len(r.graphs.graphs) >= 2  # captured lazily per (batch, kv) bucket
 

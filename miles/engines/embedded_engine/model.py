@@ -27,11 +27,13 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -260,6 +262,57 @@ class DecodeInputs:
     out_slots: torch.Tensor    # [B] int64: KV slot the new token's key/value go to
 
 
+def _prefill_sdpa_backends(cuda: bool):
+    """On CUDA, SDPA without the cuDNN backend: cuDNN builds an execution plan for every new
+    shape (hundreds of ms, and each prefill batch has a new [B, Tmax]); flash and
+    memory-efficient kernels have no per-shape set-up."""
+    if not cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@dataclass
+class PrefillInputs:
+    """Device inputs of one prefill over B fresh sequences of T tokens in all, padded to Tmax."""
+    input_ids: torch.Tensor    # [T] int64, the sequences concatenated
+    positions: torch.Tensor    # [T] int64
+    slots: torch.Tensor        # [T] int64: KV slot of each token
+    cu_seqlens: torch.Tensor   # [B + 1] int32: where each sequence starts, then T
+    pad_index: torch.Tensor    # [B * Tmax] int64: flat token behind each padded position
+    valid_index: torch.Tensor  # [T] int64: padded position of each token
+    token_rows: torch.Tensor   # [T] int64: req_to_token row of each token's request
+    logit_index: torch.Tensor  # [W] int64: the tokens whose logits are wanted
+    batch: int
+    max_len: int
+
+    @classmethod
+    def build(cls, seqs: list[list[int]], slots: list[np.ndarray], rows: list[int],
+              logit_starts: list[int], device: torch.device) -> PrefillInputs:
+        """Every index computed on the host and moved in one transfer: the forward then runs
+        without a device sync (each sync hands the GIL to the engine's event loop and back)."""
+        lens = np.asarray([len(q) for q in seqs], dtype=np.int64)
+        B, T, Tmax = len(seqs), int(lens.sum()), int(lens.max())
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        ar = np.arange(Tmax)
+        valid = ar[None, :] < lens[:, None]
+        # A padded position reads token 0: as a key it comes after every real token of its row
+        # (hidden by the causal mask), as a query its output is dropped, so any real token will
+        # do (and no zero row has to be appended to q/k/v in every layer).
+        pad_index = np.where(valid, starts[:, None] + ar[None, :], 0).reshape(-1)
+        valid_index = np.flatnonzero(valid.reshape(-1))
+        positions = np.concatenate([np.arange(n) for n in lens])
+        logit_index = np.concatenate([np.arange(o + first, o + n)
+                                      for o, n, first in zip(starts, lens, logit_starts)])
+        parts = [np.fromiter((t for q in seqs for t in q), dtype=np.int64, count=T), positions,
+                 np.concatenate(slots), np.append(starts, T), pad_index, valid_index,
+                 np.repeat(np.asarray(rows, dtype=np.int64), lens), logit_index]
+        dev = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
+        split = list(torch.split(dev, [len(p) for p in parts]))
+        split[3] = split[3].to(torch.int32)
+        return cls(*split, batch=B, max_len=Tmax)
+
+
 class Model:
     """The forward. `kv` is a kv_cache.KVPool; routing is captured per MoE layer when asked."""
 
@@ -276,6 +329,7 @@ class Model:
         self.cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * scaling).to(device=device, dtype=dtype)
         self.scaling = self.shape.head_dim ** -0.5
+        self.varlen = None  # packed causal attention for prefill (set by the runner on CUDA)
 
     # ---- building blocks -----------------------------------------------------------------
 
@@ -290,7 +344,11 @@ class Model:
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
-    def _qkv(self, L, h: torch.Tensor, positions: torch.Tensor):
+    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, 1, d] of `positions`, looked up once per forward for every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def _qkv(self, L, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         # q and k heads are normalised and rotated together (one set of kernels, not two): the
         # per-head math is identical, only the norm weights differ (applied on the two views).
         s = self.shape
@@ -302,7 +360,7 @@ class Model:
             qk = self._rms(qk, None)
             qk[:, :H] *= L["q_norm"]
             qk[:, H:] *= L["k_norm"]
-        qk = self._rope(qk, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        qk = self._rope(qk, *rope)
         return qk[:, :H], qk[:, H:], v
 
     def _mlp(self, i: int, L, h: torch.Tensor, routing_out: list | None) -> torch.Tensor:
@@ -366,40 +424,42 @@ class Model:
 
     # ---- prefill: fresh sequences, no cached prefix ----------------------------------------
 
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
-                slots: torch.Tensor, kv, capture_routing: bool):
-        """Forward over concatenated fresh sequences; writes their K/V into `kv` at `slots`.
+    def prefill(self, inp: PrefillInputs, kv, capture_routing: bool):
+        """Forward over concatenated fresh sequences; writes their K/V into `kv` at `inp.slots`.
 
+        Attention is causal within each sequence: the FlashAttention varlen kernel over the packed
+        tokens when `self.varlen` is set (CUDA, found working at start-up), else SDPA with
+        `is_causal` over a right-padded [B, Tmax] view (a padded key only ever follows a sequence's
+        real tokens, so the causal mask alone hides it; padded queries are dropped). Every index
+        comes in `inp`, built on the host: the forward never syncs the device.
         Returns (normed hidden [T, H], routing [T, moe_layers, top_k] or None).
         """
         s = self.shape
-        T = input_ids.shape[0]
-        B, Tmax = len(seq_lens), max(seq_lens)
-        dev = input_ids.device
-        # Padded view: pad_index[b, t] = flat index of token t of sequence b (T = a pad row of zeros).
-        starts = torch.tensor([0] + list(_cumsum(seq_lens))[:-1], device=dev)
-        lens = torch.tensor(seq_lens, device=dev)
-        ar = torch.arange(Tmax, device=dev)
-        valid = ar[None, :] < lens[:, None]                           # [B, Tmax]
-        pad_index = torch.where(valid, starts[:, None] + ar[None, :], torch.full_like(valid, T, dtype=torch.long))
-        causal = ar[None, :] <= ar[:, None]                           # [Tq, Tk]
-        mask = (causal[None] & valid[:, None, :])[:, None]            # [B, 1, Tq, Tk]
-        flat_valid = valid.reshape(-1)
+        B, Tmax, T = inp.batch, inp.max_len, inp.input_ids.shape[0]
         g = s.num_heads // s.num_kv_heads
+        cuda = inp.input_ids.is_cuda
+        rope = self._rope_at(inp.positions)
         routing: list | None = [] if capture_routing else None
-        x = self.weights.embed[input_ids]
-        for i, L in enumerate(self.weights.layers):
-            h = self._rms(x, L["in_norm"])
-            q, k, v = self._qkv(L, h, positions)
-            kv.write(i, slots, k, v)
-            pad = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[pad_index]  # noqa: E731
-            qp, kp, vp = pad(q).transpose(1, 2), pad(k), pad(v)
-            if g > 1:
-                kp, vp = kp.repeat_interleave(g, dim=2), vp.repeat_interleave(g, dim=2)
-            o = F.scaled_dot_product_attention(qp, kp.transpose(1, 2), vp.transpose(1, 2),
-                                               attn_mask=mask, scale=self.scaling)
-            o = o.transpose(1, 2).reshape(B * Tmax, s.q_size)[flat_valid]
-            x = self._layer_end(i, L, x, o, routing)
+        x = self.weights.embed[inp.input_ids]
+        with _prefill_sdpa_backends(cuda):
+            for i, L in enumerate(self.weights.layers):
+                h = self._rms(x, L["in_norm"])
+                q, k, v = self._qkv(L, h, rope)
+                kv.write(i, inp.slots, k, v)
+                if self.varlen is not None:
+                    o = self.varlen(q.contiguous(), k.contiguous(), v.contiguous(), inp.cu_seqlens, Tmax,
+                                    self.scaling)
+                    o = o.reshape(T, s.q_size)
+                else:
+                    pad = lambda t: t.index_select(0, inp.pad_index).view(B, Tmax, *t.shape[1:])  # noqa: E731
+                    qp, kp, vp = pad(q), pad(k), pad(v)
+                    if g > 1 and cuda:  # explicit copies keep the flash kernel eligible
+                        kp, vp = kp.repeat_interleave(g, dim=2), vp.repeat_interleave(g, dim=2)
+                    o = F.scaled_dot_product_attention(
+                        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True,
+                        scale=self.scaling, enable_gqa=g > 1 and not cuda)
+                    o = o.transpose(1, 2).reshape(B * Tmax, s.q_size).index_select(0, inp.valid_index)
+                x = self._layer_end(i, L, x, o, routing)
         hidden = self.final_hidden(x)
         return hidden, (torch.stack(routing, dim=1) if routing else None)
 
@@ -424,10 +484,11 @@ class Model:
             bias = bias.masked_fill(~key_mask, float("-inf"))[:, None, None, :]  # [b, 1, 1, Tk]
             segs.append((start, end, token_slots, bias))
         routing: list | None = [] if capture_routing else None
+        rope = self._rope_at(inp.positions)
         x = self.weights.embed[inp.input_ids]
         for i, L in enumerate(self.weights.layers):
             h = self._rms(x, L["in_norm"])
-            q, k, v = self._qkv(L, h, inp.positions)
+            q, k, v = self._qkv(L, h, rope)
             kv.write(i, inp.out_slots, k, v)
             outs = []
             for start, end, token_slots, bias in segs:

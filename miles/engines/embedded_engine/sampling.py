@@ -61,8 +61,23 @@ class SampleOut:
     top_logprobs: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOut:
-    """Sample one token per row of fp32 `logits` [B, V]."""
+def device_uniforms(sb: SamplingBatch, device: torch.device) -> torch.Tensor | None:
+    """The step's uniforms (one per non-greedy row) on `device`, for `sample(..., uniforms=)`.
+
+    A host-to-device copy from pageable memory waits for the stream to drain: made before the
+    forward is launched it costs nothing, made inside `sample` it would wait for the forward and
+    then launch the sampling kernels onto an idle GPU."""
+    temps = np.asarray(sb.temperatures, dtype=np.float32)
+    sampled = np.nonzero(~((temps <= 0.0) | (np.asarray(sb.top_ks) == 1)))[0]
+    if not len(sampled):
+        return None
+    u = splitmix_uniform(np.asarray(sb.seeds, dtype=np.int64)[sampled], np.asarray(sb.steps, dtype=np.int64)[sampled])
+    return torch.from_numpy(u).to(device=device, dtype=torch.float32)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, uniforms: torch.Tensor | None = None) -> SampleOut:
+    """Sample one token per row of fp32 `logits` [B, V]; `uniforms` from `device_uniforms`, or
+    computed here."""
     B, V = logits.shape
     dev = logits.device
     # log_softmax(x)[t] = x[t] - logsumexp(x): one reduction instead of a [B, V] write.
@@ -82,9 +97,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOut:
     sampled = np.nonzero(~greedy)[0]
     tokens = torch.argmax(proc, dim=-1) if greedy.any() else None
     if len(sampled):
-        u = torch.from_numpy(splitmix_uniform(np.asarray(sb.seeds, dtype=np.int64)[sampled],
-                                              np.asarray(sb.steps, dtype=np.int64)[sampled]))
-        u = u.to(device=dev, dtype=torch.float32)
+        u = uniforms if uniforms is not None else device_uniforms(sb, dev)
         every_row = len(sampled) == B
         rows = None if every_row else torch.from_numpy(sampled).to(dev)
         scaled = proc if every_row else proc[rows]

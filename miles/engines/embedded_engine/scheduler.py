@@ -48,7 +48,7 @@ import torch
 
 from miles.engines.embedded_engine.protocol import SamplingParams
 from miles.engines.embedded_engine.runner import ModelRunner
-from miles.engines.embedded_engine.sampling import SamplingBatch, sample
+from miles.engines.embedded_engine.sampling import SamplingBatch, device_uniforms, sample
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,16 @@ class Scheduler:
     async def run_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
+    async def _timed_compute(self, key: str, fn):
+        """`fn` on the compute thread; its time there is added to the stats window under `key`
+        (beside the step's wall time, it shows what waiting for the thread and the GIL costs)."""
+        def timed():
+            t = time.perf_counter()
+            return fn(), time.perf_counter() - t
+        out, seconds = await self.run_compute(timed)
+        self._window.add(key, seconds)
+        return out
+
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, req: Request) -> None:
@@ -258,13 +268,14 @@ class Scheduler:
         steps = g("decodes")
         log.info("engine stats over %.1f s: decode %d steps, batch %.1f, %.2f ms/step | prefill %d "
                  "(%d requests, %.1f ms) | paused %.1f ms, idle %.1f ms | %.0f tok/s | "
-                 "running %d, waiting %d | cuda graphs captured %d (%.1f ms, %d in all)",
+                 "running %d, waiting %d | cuda graphs captured %d (%.1f ms, %d in all) | "
+                 "compute thread: decode %.2f ms/step, prefill %.1f ms",
                  w.age(), steps, g("decode_rows") / max(steps, 1), 1e3 * g("decode_s") / max(steps, 1),
                  g("prefills"), g("prefill_reqs"), 1e3 * g("prefill_s"), 1e3 * g("paused_s"),
                  1e3 * g("idle_s"), (self.stats["generated_tokens"] - w.tokens0) / max(w.age(), 1e-9),
                  len(self.running), len(self.waiting), captured - w.captured0,
                  1e3 * ((self.runner.graphs.capture_s if self.runner.graphs else 0.0) - w.capture_s0),
-                 captured)
+                 captured, 1e3 * g("decode_compute_s") / max(steps, 1), 1e3 * g("prefill_compute_s"))
         self._window.tokens0 = self.stats["generated_tokens"]
         self._window.captured0 = captured
         self._window.capture_s0 = self.runner.graphs.capture_s if self.runner.graphs else 0.0
@@ -331,9 +342,10 @@ class Scheduler:
         sb = self._sampling_batch(batch)
 
         def compute():
+            uniforms = device_uniforms(sb, self.runner.device)  # before the forward: see there
             per_seq, routing = self.runner.prefill(seqs, [r.row for r in batch],
                                                    [r.slots[0] for r in batch], starts, capture)
-            out = sample(torch.stack([lg[-1] for lg in per_seq]), sb)
+            out = sample(torch.stack([lg[-1] for lg in per_seq]), sb, uniforms)
             input_lps = []
             for r, s, start, lg in zip(batch, seqs, starts, per_seq):
                 if start == len(s) - 1:
@@ -344,7 +356,7 @@ class Scheduler:
                 input_lps.append(lp.tolist())
             return _to_host(out), routing, input_lps
 
-        (tokens, logprobs, tops), routing, input_lps = await self.run_compute(compute)
+        (tokens, logprobs, tops), routing, input_lps = await self._timed_compute("prefill_compute_s", compute)
         self.stats["prefills"] += 1
         for i, req in enumerate(batch):
             if req.finished:  # aborted while computing cannot happen (lock), but stay safe
@@ -382,10 +394,11 @@ class Scheduler:
         sb = self._sampling_batch(batch)
 
         def compute():
+            uniforms = device_uniforms(sb, self.runner.device)
             logits, routing = self.runner.decode(ids, positions, rows, out_slots, capture)
-            return _to_host(sample(logits, sb)), routing
+            return _to_host(sample(logits, sb, uniforms)), routing
 
-        (tokens, logprobs, tops), routing = await self.run_compute(compute)
+        (tokens, logprobs, tops), routing = await self._timed_compute("decode_compute_s", compute)
         self.stats["steps"] += 1
         for i, req in enumerate(batch):
             if routing is not None and req.routed is not None:
