@@ -15,7 +15,9 @@ the straggler pattern of agentic and reasoning rollouts.
       [--set KEY=VALUE ...]
 
 Beside the loop's figures each line carries the engine's own view, parsed from its periodic stats
-lines (`engine_decode_batch`, `engine_ms_per_decode`, `engine_prefill_frac`, `engine_paused_frac`).
+lines (`engine_decode_batch`, `engine_ms_per_decode`, `engine_prefill_frac`, `engine_paused_frac`),
+and the same decode and prefill times measured on the engine's compute thread alone
+(`engine_ms_per_decode_compute`, `engine_prefill_compute_frac`).
 
 Design decisions:
 - The answer is scored on the response up to its first special token (EOS, `<|im_end|>`): the
@@ -111,10 +113,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run_mode(mode: str, args, out: Path) -> dict:
+def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
     sets = {
         "run.output_dir": json.dumps(str(out)), "run.name": json.dumps(f"async_rl_{mode}"),
-        "loop.mode": json.dumps(mode), "loop.num_steps": args.steps, "loop.max_staleness": args.max_staleness,
+        "loop.mode": json.dumps(mode), "loop.num_steps": args.steps, "loop.max_staleness": max_staleness,
         "loop.groups_per_step": args.groups, "loop.eval_every": 0, "loop.save_every": 0, "loop.resume": "false",
         "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": args.median_tokens * 10,
         "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": args.sft_steps,
@@ -135,7 +137,8 @@ def run_mode(mode: str, args, out: Path) -> dict:
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
-    log_path = Path(args.log_dir or out) / f"async_rl_{mode}.log"
+    tag = mode if mode == "sync" else f"{mode}_s{max_staleness}"
+    log_path = Path(args.log_dir or out) / f"async_rl_{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
@@ -154,7 +157,7 @@ def run_mode(mode: str, args, out: Path) -> dict:
     wall = time.monotonic() - t0
     for name in ("logs/engine0.log", "metrics.jsonl"):  # kept beside the run's log, for diagnosis
         if (out / name).exists() and args.log_dir:
-            shutil.copy(out / name, Path(args.log_dir) / f"async_rl_{mode}_{Path(name).name}")
+            shutil.copy(out / name, Path(args.log_dir) / f"async_rl_{tag}_{Path(name).name}")
     if returncode != 0:
         raise RuntimeError(f"{mode} run failed ({returncode}, log: {log_path}):\n{_tail(log_path)}")
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
@@ -181,7 +184,8 @@ def run_mode(mode: str, args, out: Path) -> dict:
 
 
 STATS = re.compile(r"engine stats over ([\d.]+) s: decode (\d+) steps, batch ([\d.]+), ([\d.]+) ms/step "
-                   r"\| prefill (\d+) \((\d+) requests, ([\d.]+) ms\) \| paused ([\d.]+) ms, idle ([\d.]+) ms")
+                   r"\| prefill (\d+) \((\d+) requests, ([\d.]+) ms\) \| paused ([\d.]+) ms, idle ([\d.]+) ms"
+                   r".*? compute thread: decode ([\d.]+) ms/step, prefill ([\d.]+) ms")
 
 
 def engine_summary(log_path: Path) -> dict:
@@ -199,14 +203,19 @@ def engine_summary(log_path: Path) -> dict:
             "engine_ms_per_decode": round(sum(r[1] * r[3] for r in rows) / steps, 2),
             "engine_prefill_frac": round(sum(r[6] for r in rows) / 1e3 / secs, 3),
             "engine_paused_frac": round(sum(r[7] for r in rows) / 1e3 / secs, 3),
-            "engine_idle_frac_log": round(sum(r[8] for r in rows) / 1e3 / secs, 3)}
+            "engine_idle_frac_log": round(sum(r[8] for r in rows) / 1e3 / secs, 3),
+            # the same steps timed on the compute thread itself: the rest of a step's wall time is
+            # waiting for the thread (and the GIL) behind the event loop's HTTP work
+            "engine_ms_per_decode_compute": round(sum(r[1] * r[9] for r in rows) / steps, 2),
+            "engine_prefill_compute_frac": round(sum(r[10] for r in rows) / 1e3 / secs, 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument("--max-staleness", default="4",
+                    help="fully-async's bound; a comma list (e.g. 2,3) runs fully-async once per value")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
                     help="tiny: the quickstart model; small: ~0.2B (for GPUs)")
     ap.add_argument("--median-tokens", type=int, default=24)
@@ -222,13 +231,15 @@ def main() -> None:
     args = ap.parse_args()
     machine = f"{platform.machine()} {os.cpu_count()} cpu" + (
         f", {args.device}" if args.device != "cpu" else "")
+    bounds = [int(b) for b in str(args.max_staleness).split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        results = {mode: run_mode(mode, args, Path(tmp) / mode) for mode in ("sync", "fully_async")}
-    for mode, res in results.items():
-        res["speedup_vs_sync"] = round(results["sync"]["step_s"] / res["step_s"], 2)
+        sync = run_mode("sync", args, Path(tmp) / "sync", bounds[0])
+        runs = [(0, sync)] + [(b, run_mode("fully_async", args, Path(tmp) / f"fully_async_s{b}", b)) for b in bounds]
+    for bound, res in runs:
+        res["speedup_vs_sync"] = round(sync["step_s"] / res["step_s"], 2)
         res["machine"] = machine
         res["model"] = args.model
-        res["max_staleness"] = args.max_staleness
+        res["max_staleness"] = bound
         print(json.dumps(res), flush=True)
 
 

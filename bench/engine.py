@@ -3,8 +3,9 @@
     python bench/engine.py                       # CUDA: 0.5B Qwen2 shape, bf16, batch 1,16,64,256
     python bench/engine.py --device cpu          # CPU smoke run: tiny Qwen2, fp32, batch 1,4
 
-Each line: {"bench": "engine", "model", "batch", "tok_per_s", "ms_per_step",
-"hf_generate_tok_per_s", "hbm_bound_tok_per_s", "machine", ...}.
+Each line: {"bench": "engine", "model", "batch", "tok_per_s", "ms_per_step", "prefill_ms",
+"hf_generate_tok_per_s", "hbm_bound_tok_per_s", "machine", ...}. `--profile` adds a cProfile of
+one run per batch on stderr (the host-side cost of a step).
 
 Design decisions:
 - The engine is driven in-process through its real scheduler (continuous batching loop, KV pool,
@@ -18,6 +19,8 @@ Design decisions:
   copy bandwidth; null on CPU).
 - The 0.5B model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936)
   has random weights, built once with miles.tiny and cached.
+- `prefill_ms` is the best of 5 runs of the batch with one new token: one prefill of all its prompts
+  plus the first sampled token and the request bookkeeping.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -35,10 +39,17 @@ QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, 
                  tie_word_embeddings=True)
 
 
+# bench/async_rl.py's "small" model: ~0.2B, Qwen3, the quickstart's 512-token vocabulary.
+QWEN3_SMALL = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                   head_dim=64, intermediate_size=3072)
+
+
 def build_model(name: str):
     from miles.tiny import build_tiny_model
     if name == "qwen2-0.5b":
         return build_tiny_model(arch="qwen2", **QWEN2_05B)
+    if name == "small":
+        return build_tiny_model(arch="qwen3", **QWEN3_SMALL)
     return build_tiny_model(arch="qwen2")
 
 
@@ -70,6 +81,26 @@ async def engine_run(server, batch: int, prompt_len: int, new_tokens: int, seed:
     sync(server.runner.device)
     assert all(len(r.output_ids) == new_tokens for r in reqs)
     return time.perf_counter() - t0
+
+
+async def profile_run(server, batch: int, args) -> None:
+    """cProfile over one long run of `batch` requests on the engine's compute thread (where a
+    step's host-side cost is, which is what a small model's step is made of on a GPU), then over 5
+    prefill-only runs (one new token); the top functions by own time go to stderr. On Python 3.12
+    the profiler sees every thread (and only one may be active at a time)."""
+    import cProfile
+    import io
+    import pstats
+    sch = server.scheduler
+    for what, new_tokens, runs in (("decode", args.n_long, 1), ("prefill", 1, 5)):
+        prof = cProfile.Profile()
+        await sch.run_compute(prof.enable)
+        t = sum([await engine_run(server, batch, args.prompt_len, new_tokens, seed=9 + k) for k in range(runs)])
+        await sch.run_compute(prof.disable)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"== profile ({what}, compute thread): batch {batch}, {runs} run(s) of {new_tokens} tokens, "
+              f"{1e3 * t / runs:.3f} ms/run under the profiler\n{text.getvalue()}", file=sys.stderr, flush=True)
 
 
 def hf_run(model, batch, prompt_len, new_tokens, device) -> float:
@@ -105,7 +136,11 @@ async def bench_engine(args, path, device) -> dict[int, float]:
             await engine_run(server, b, args.prompt_len, args.n_long, seed=1)  # warm-up, graph capture
             t_short = await engine_run(server, b, args.prompt_len, args.n_short, seed=2)
             t_long = await engine_run(server, b, args.prompt_len, args.n_long, seed=3)
-            out[b] = (t_long - t_short) / (args.n_long - args.n_short)
+            # prefill: the batch's prompts in one forward, and its first token (best of 5)
+            t_prefill = min([await engine_run(server, b, args.prompt_len, 1, seed=4 + k) for k in range(5)])
+            out[b] = ((t_long - t_short) / (args.n_long - args.n_short), t_prefill)
+            if args.profile:
+                await profile_run(server, b, args)
     finally:
         await server.scheduler.close()
     info = {"weights_bytes": server.runner.model.weights.nbytes(),
@@ -118,7 +153,8 @@ async def bench_engine(args, path, device) -> dict[int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", default=None, help="qwen2-0.5b (default on CUDA) or tiny (CPU)")
+    p.add_argument("--model", default=None, help="qwen2-0.5b (default on CUDA), small (0.2B Qwen3, "
+                   "512-token vocabulary) or tiny (CPU)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--batches", default=None, help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=None)
@@ -127,6 +163,7 @@ def main() -> None:
     p.add_argument("--hbm-gbps", type=float, default=4200.0)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile one run per batch (stderr)")
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -155,12 +192,13 @@ def main() -> None:
             hf[b] = (t_long - t_short) / (args.n_long - args.n_short)
         del model
     for b in args.batches:
-        s = steps[b]
+        s, t_prefill = steps[b]
         avg_ctx = args.prompt_len + (args.n_short + args.n_long) / 2
         step_bytes = info["weights_bytes"] + b * avg_ctx * info["kv_bytes_per_token"]
         print(json.dumps({
             "bench": "engine", "model": f"{args.model} {args.dtype}", "batch": b,
             "tok_per_s": round(b / s, 1), "ms_per_step": round(s * 1000, 3),
+            "prefill_ms": round(t_prefill * 1000, 2),
             "hf_generate_tok_per_s": round(b / hf[b], 1) if b in hf else None,
             "hf_ms_per_step": round(hf[b] * 1000, 3) if b in hf else None,
             "speedup_vs_hf": round(hf[b] / s, 2) if b in hf else None,
