@@ -120,7 +120,9 @@ async def test_dp_aware_registers_each_rank_and_injects_it(fake_engine, free_por
     try:
         assert sorted(w["url"] for w in await gateway.workers()) == [a.url + "@0", a.url + "@1"]
         async with aiohttp.ClientSession() as session:
-            for i in range(8):
+            # New keys go to the least-loaded worker; one at a time, the two ranks tie and smg
+            # picks one at random: 24 keys reach both (8 all landed on one rank, p = 1/128).
+            for i in range(24):
                 await _generate(session, gateway, f"k{i}")
         assert {body["data_parallel_rank"] for body in a.calls("/generate")} == {0, 1}
         await gateway.remove_worker(a.url)  # removes both virtual workers

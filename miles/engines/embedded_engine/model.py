@@ -264,8 +264,8 @@ class DecodeInputs:
 
 def _prefill_sdpa_backends(cuda: bool):
     """On CUDA, SDPA without the cuDNN backend: cuDNN builds an execution plan for every new
-    shape (hundreds of ms, and each prefill batch has a new [B, Tmax]); flash and
-    memory-efficient kernels have no per-shape set-up."""
+    shape (reported at hundreds of ms each, and each prefill batch has a new [B, Tmax]); flash
+    and memory-efficient kernels have no per-shape set-up."""
     if not cuda:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

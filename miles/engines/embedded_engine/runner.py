@@ -23,9 +23,12 @@ Design decisions:
   the host and moved in one transfer (`PrefillInputs`), so it never syncs the device mid-forward.
   Attention is FlashAttention varlen on CUDA (the trainer's probed kernel, miles.backends.attention)
   and causal SDPA over a right-padded view elsewhere; cuDNN SDPA is excluded on CUDA because it
-  plans per shape and every prefill has a new one. Before this, a prefill of ~20 prompts of ~50
-  tokens took 75-100 ms on the compute thread of an H200 engine (0.2B model), against 3-4 ms per
-  decode step; after, 13 ms for 32 prompts of 48 tokens (bench/engine.py's `prefill_ms`). A
+  builds a plan per shape and every prefill has a new one. Before, with a masked padded SDPA, a
+  prefill of ~20 prompts of ~50 tokens took 75-100 ms on the compute thread of an H200 engine
+  (0.2B model, in the RL loop), against 3-4 ms per decode step; host-built indices alone did not
+  change that, the attention change did: 13 ms for 32 prompts of 48 tokens now
+  (bench/engine.py's `prefill_ms`). Whether cuDNN planning or the masked kernel was the cost was
+  not isolated. A
   profile of that prefill shows the varlen op's Python dispatch (a torch custom op) as a large
   share of its host time; `--prefill-attention sdpa` is the padded path, for comparison (not yet
   measured against it on a GPU).
