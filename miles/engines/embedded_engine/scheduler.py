@@ -1,10 +1,19 @@
 """Continuous batching: requests join and leave the running batch at every step.
 
 Design decisions:
-- One asyncio task owns all scheduling state; the forward, sampling and weight copies run on one
-  dedicated compute thread (`run_compute`). A step holds `step_lock`; control operations (pause,
-  abort, weight updates) take the same lock, so they always land *between* two steps and never see
-  a half-applied batch. Nothing else mutates the batch.
+- One asyncio task owns all scheduling state; weight copies and other device work run on one
+  dedicated compute thread (`run_compute`), and so do the steps' forward and sampling on CUDA. A
+  step holds `step_lock`; control operations (pause, abort, weight updates) take the same lock, so
+  they always land *between* two steps and never see a half-applied batch. Nothing else mutates
+  the batch.
+- On CPU the steps' forward and sampling run inline on the event loop (`inline_steps`): the hop
+  to the thread and back costs about as much as a small step, and two threads that both run
+  parallel torch ops (two OpenMP pools) contend on a small machine. bench/engine.py, tiny model,
+  2 cores, two runs each: batch 8, 1.1 ms per step inline against 1.6-2.1 ms on the thread with
+  1 torch thread and 3.0-3.5 ms with 2; batch 32 with 2 torch threads, 1.7-2.0 against 3.1-3.2
+  ms (with 1, 2.6-3.1 both ways). The event loop is then blocked for a step (milliseconds);
+  handlers run between steps. CUDA keeps the thread: its steps mostly wait on the device, and
+  that is the configuration its GPU tests and benchmarks ran.
 - Each iteration runs either one prefill (newly admitted or recomputed requests, up to
   `max_prefill_tokens`) or one decode step over every running request, like SGLang's
   prefill/decode alternation. A request admitted mid-flight joins the next decode step; a finished
@@ -118,7 +127,7 @@ class _Window:
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_running_requests: int, max_prefill_tokens: int,
                  weight_version: str, detokenize=None, stats_interval_s: float = 30.0,
-                 prefill_interval: int = 4):
+                 prefill_interval: int = 4, inline_steps: bool | None = None):
         self.runner = runner
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -139,6 +148,8 @@ class Scheduler:
         self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
         self.stats_interval_s = stats_interval_s
         self.prefill_interval = prefill_interval
+        # On CPU a step's forward and sampling run on the event loop itself (see the docstring)
+        self.inline_steps = runner.device.type == "cpu" if inline_steps is None else inline_steps
         self._decodes_since_prefill = 0
         self._window = _Window()
 
@@ -168,12 +179,13 @@ class Scheduler:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     async def _timed_compute(self, key: str, fn):
-        """`fn` on the compute thread; its time there is added to the stats window under `key`
-        (beside the step's wall time, it shows what waiting for the thread and the GIL costs)."""
+        """A step's forward and sampling: on the compute thread, or inline on CPU (see
+        `inline_steps`); its own time is added to the stats window under `key` (beside the step's
+        wall time, it shows what the hop to the thread and the GIL cost)."""
         def timed():
             t = time.perf_counter()
             return fn(), time.perf_counter() - t
-        out, seconds = await self.run_compute(timed)
+        out, seconds = timed() if self.inline_steps else await self.run_compute(timed)
         self._window.add(key, seconds)
         return out
 

@@ -137,6 +137,10 @@ class EngineServer:
         for r in reqs:
             if r.rid in self.scheduler.by_rid:
                 raise BadRequest(f"rid: {r.rid!r} is already in flight", "rid")
+        if body.stream:  # one event for the whole call: the stream wakes once per step, not per request
+            progress = asyncio.Event()
+            for r in reqs:
+                r.progress = progress
         for r in reqs:
             self.scheduler.submit(r)
         try:
@@ -155,19 +159,23 @@ class EngineServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        pending = list(reqs)
+        # The requests share one progress event (set in `generate`); a request gets a chunk when
+        # it has new tokens or has finished. Waiting on that one event directly (not on a task per
+        # request) resumes this handler in the loop iteration right after the step that set it,
+        # so a CPU engine that runs its steps on the event loop still streams every token.
+        progress = reqs[0].progress
+        pending, sent = list(reqs), {r.rid: 0 for r in reqs}
         while pending:
-            waits = [asyncio.ensure_future(r.progress.wait()) for r in pending]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
+            progress.clear()
             for r in list(pending):
-                if r.progress.is_set():
-                    r.progress.clear()
+                if len(r.output_ids) > sent[r.rid] or r.finished:
+                    sent[r.rid] = len(r.output_ids)
                     chunk = self._response(r, body, streaming=True)
                     await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
                     if r.finished:
                         pending.remove(r)
+            if pending:
+                await progress.wait()
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
