@@ -191,6 +191,42 @@ def test_batched_prefill_of_uneven_lengths_equals_each_alone_and_bad_attention_i
         ModelRunner(str(path), RunnerConfig(device="cpu", max_total_tokens=500, prefill_attention="flash"))
 
 
+async def test_cpu_steps_run_on_the_event_loop_except_long_prefills():
+    """On CPU, decode steps and short prefills run on the event loop's thread; a prefill longer
+    than INLINE_MAX_TOKENS goes to the compute thread (a blocked loop fails health checks)."""
+    import threading
+
+    from miles.engines.embedded_engine.protocol import SamplingParams
+    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
+    from miles.engines.embedded_engine.scheduler import INLINE_MAX_TOKENS, Request, Scheduler
+    path = build_tiny_model(arch="qwen3")
+    runner = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=4,
+                                                 max_total_tokens=6000, context_length=4096))
+    sch = Scheduler(runner, max_running_requests=4, max_prefill_tokens=8192, weight_version="0")
+    seen = []
+    for name in ("prefill", "decode"):
+        original = getattr(runner, name)
+
+        def spy(*args, _name=name, _original=original, **kw):
+            seen.append((_name, len(args[0]) if _name == "prefill" else 0,
+                         threading.current_thread() is threading.main_thread()))
+            return _original(*args, **kw)
+        setattr(runner, name, spy)
+    sch.start()
+    try:
+        for n in (10, INLINE_MAX_TOKENS + 1):
+            req = Request(rid=f"n{n}", input_ids=[5] * n, params=SamplingParams(temperature=0.0),
+                          seed=0, max_new_tokens=3)
+            sch.submit(req)
+            await asyncio.wait_for(req.done.wait(), 60)
+            assert len(req.output_ids) == 3
+    finally:
+        await sch.close()
+    prefills = [on_loop for name, _, on_loop in seen if name == "prefill"]
+    decodes = [on_loop for name, _, on_loop in seen if name == "decode"]
+    assert prefills == [True, False] and decodes and all(decodes), seen
+
+
 async def test_arrivals_wait_for_the_prefill_interval_then_share_one_prefill():
     from miles.engines.embedded_engine.protocol import SamplingParams
     from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig

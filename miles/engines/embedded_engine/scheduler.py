@@ -14,6 +14,8 @@ Design decisions:
   ms (with 1, 2.6-3.1 both ways). The event loop is then blocked for a step (milliseconds);
   handlers run between steps. CUDA keeps the thread: its steps mostly wait on the device, and
   that is the configuration its GPU tests and benchmarks ran.
+  A prefill of more than `INLINE_MAX_TOKENS` (2048) tokens still goes to the thread: seconds
+  of a blocked loop would fail the gateway's health checks (every 2 s, 2 failures).
 - Each iteration runs either one prefill (newly admitted or recomputed requests, up to
   `max_prefill_tokens`) or one decode step over every running request, like SGLang's
   prefill/decode alternation. A request admitted mid-flight joins the next decode step; a finished
@@ -60,6 +62,8 @@ from miles.engines.embedded_engine.runner import ModelRunner
 from miles.engines.embedded_engine.sampling import SamplingBatch, device_uniforms, sample
 
 log = logging.getLogger(__name__)
+
+INLINE_MAX_TOKENS = 2048  # a CPU step over more tokens runs on the compute thread (see above)
 
 
 @dataclass(eq=False)  # identity: `running.remove(req)` must not compare every field of every request
@@ -178,14 +182,16 @@ class Scheduler:
     async def run_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
-    async def _timed_compute(self, key: str, fn):
-        """A step's forward and sampling: on the compute thread, or inline on CPU (see
-        `inline_steps`); its own time is added to the stats window under `key` (beside the step's
-        wall time, it shows what the hop to the thread and the GIL cost)."""
+    async def _timed_compute(self, key: str, fn, tokens: int):
+        """A step's forward and sampling over `tokens` tokens: on the compute thread, or inline on
+        CPU (see `inline_steps`) unless it is a prefill longer than `INLINE_MAX_TOKENS`; its own
+        time is added to the stats window under `key` (beside the step's wall time, it shows what
+        the hop to the thread and the GIL cost)."""
         def timed():
             t = time.perf_counter()
             return fn(), time.perf_counter() - t
-        out, seconds = timed() if self.inline_steps else await self.run_compute(timed)
+        inline = self.inline_steps and tokens <= INLINE_MAX_TOKENS
+        out, seconds = timed() if inline else await self.run_compute(timed)
         self._window.add(key, seconds)
         return out
 
@@ -368,7 +374,8 @@ class Scheduler:
                 input_lps.append(lp.tolist())
             return _to_host(out), routing, input_lps
 
-        (tokens, logprobs, tops), routing, input_lps = await self._timed_compute("prefill_compute_s", compute)
+        (tokens, logprobs, tops), routing, input_lps = await self._timed_compute(
+            "prefill_compute_s", compute, sum(len(q) for q in seqs))
         self.stats["prefills"] += 1
         for i, req in enumerate(batch):
             if req.finished:  # aborted while computing cannot happen (lock), but stay safe
@@ -410,7 +417,8 @@ class Scheduler:
             logits, routing = self.runner.decode(ids, positions, rows, out_slots, capture)
             return _to_host(sample(logits, sb, uniforms)), routing
 
-        (tokens, logprobs, tops), routing = await self._timed_compute("decode_compute_s", compute)
+        (tokens, logprobs, tops), routing = await self._timed_compute("decode_compute_s", compute,
+                                                                       len(batch))
         self.stats["steps"] += 1
         for i, req in enumerate(batch):
             if routing is not None and req.routed is not None:
