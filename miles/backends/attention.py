@@ -90,11 +90,6 @@ def _varlen(query, key, value, cu_seqlens, max_len, scaling):
     return varlen_causal(q, k, v, cu_seqlens, max_len, scaling)
 
 
-def varlen_enabled() -> bool:
-    """Whether `enable_varlen_kernel` found a working FlashAttention varlen kernel."""
-    return _varlen_fn is not None
-
-
 def varlen_causal(q, k, v, cu_seqlens, max_len, scaling):
     """Causal attention within each sequence of a packed batch: q [T, Hq, D], k/v [T, Hkv, D],
     `cu_seqlens` int32 [B + 1] -> [T, Hq, D]. Only after `enable_varlen_kernel` returned True."""

@@ -290,7 +290,7 @@ class PrefillInputs:
     def build(cls, seqs: list[list[int]], slots: list[np.ndarray], rows: list[int],
               logit_starts: list[int], device: torch.device) -> PrefillInputs:
         """Every index computed on the host and moved in one transfer: the forward then runs
-        without a device sync (each sync hands the GIL to the engine's event loop and back)."""
+        without a device sync."""
         lens = np.asarray([len(q) for q in seqs], dtype=np.int64)
         B, T, Tmax = len(seqs), int(lens.sum()), int(lens.max())
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
@@ -520,13 +520,6 @@ class Model:
                 x = self._layer_end(i, L, x, o, routing)
         hidden = self.final_hidden(x)
         return hidden, (torch.stack(routing, dim=1) if routing else None)
-
-
-def _cumsum(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
 
 
 def read_generation_eos(model_path: str | Path) -> list[int]:

@@ -28,10 +28,9 @@ Design decisions:
   (0.2B model, in the RL loop), against 3-4 ms per decode step; host-built indices alone did not
   change that, the attention change did: 13 ms for 32 prompts of 48 tokens now
   (bench/engine.py's `prefill_ms`). Whether cuDNN planning or the masked kernel was the cost was
-  not isolated. A
-  profile of that prefill shows the varlen op's Python dispatch (a torch custom op) as a large
-  share of its host time; `--prefill-attention sdpa` is the padded path, for comparison (not yet
-  measured against it on a GPU).
+  not isolated. A profile of that prefill shows the varlen op's Python dispatch (a torch custom
+  op) as a large share of its host time; `--prefill-attention sdpa` is the padded path, for
+  comparison (not yet measured against it on a GPU).
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
 """

@@ -71,7 +71,8 @@ def device_uniforms(sb: SamplingBatch, device: torch.device) -> torch.Tensor | N
     sampled = np.nonzero(~((temps <= 0.0) | (np.asarray(sb.top_ks) == 1)))[0]
     if not len(sampled):
         return None
-    u = splitmix_uniform(np.asarray(sb.seeds, dtype=np.int64)[sampled], np.asarray(sb.steps, dtype=np.int64)[sampled])
+    u = splitmix_uniform(np.asarray(sb.seeds, dtype=np.int64)[sampled],
+                         np.asarray(sb.steps, dtype=np.int64)[sampled])
     return torch.from_numpy(u).to(device=device, dtype=torch.float32)
 
 
