@@ -204,8 +204,8 @@ def engine_summary(log_path: Path) -> dict:
             "engine_prefill_frac": round(sum(r[6] for r in rows) / 1e3 / secs, 3),
             "engine_paused_frac": round(sum(r[7] for r in rows) / 1e3 / secs, 3),
             "engine_idle_frac_log": round(sum(r[8] for r in rows) / 1e3 / secs, 3),
-            # the same steps timed on the compute thread itself: the rest of a step's wall time is
-            # waiting for the thread (and the GIL) behind the event loop's HTTP work
+            # the same steps' forward and sampling alone: the rest of a step's wall time is the
+            # scheduler's bookkeeping and, where steps run on the compute thread (CUDA), the hop
             "engine_ms_per_decode_compute": round(sum(r[1] * r[9] for r in rows) / steps, 2),
             "engine_prefill_compute_frac": round(sum(r[10] for r in rows) / 1e3 / secs, 3)}
 
