@@ -218,19 +218,41 @@ def test_direct_tensors_skip_the_flatten_and_follow_the_packed_ones():
     assert flatten([("big", big), ("small", small)]).flat_count == 2  # 0: all packed (SGLang's)
 
 
-def test_a_direct_bucket_with_a_bad_flat_count_is_refused_before_anything_is_received():
+def _engine_weights_and_group(name: str):
+    """A tiny model's engine weights (fp32, CPU) and an UpdateGroups holding a one-rank gloo group
+    `name` (rank 0 is the broadcasts' source, so a receive completes at once)."""
     import socket
     from miles.engines.embedded_engine.model import Weights, shape_from_config, load_hf_config
     from miles.engines.embedded_engine.weights import UpdateGroups, init_custom_process_group
     from miles.tiny import build_tiny_model
     weights = Weights(shape_from_config(load_hf_config(build_tiny_model(arch="qwen3"))),
                       torch.device("cpu"), torch.float32)
-    before = weights.embed.clone()
     groups = UpdateGroups(torch.device("cpu"))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    groups.groups["g"] = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 1, 0, "g", 30)
+    groups.groups[name] = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 1, 0, name, 30)
+    return weights, groups
+
+
+def test_a_direct_tensor_of_another_dtype_lands_in_scratch_and_is_copied_in():
+    """The engine is fp32, the wire bf16: the direct tensor cannot go straight into the parameter,
+    so it is received into scratch and copied in (cast) when the bucket completes."""
+    weights, groups = _engine_weights_and_group("s")
+    shape = list(weights.final_norm.shape)
+    groups.receive(weights, "s", ["model.norm.weight"], ["bfloat16"], [shape], "miles_direct", 0)
+    (pending,) = groups.pending.values()
+    assert pending.flat is None and [n for n, _ in pending.scratch] == ["model.norm.weight"]
+    received = pending.scratch[0][1]
+    received.copy_(torch.linspace(-1, 1, received.numel()).view(shape))  # what arrived
+    groups.complete_pending(weights)
+    assert torch.equal(weights.final_norm, received.float())
+    assert isinstance(groups.take_timing()["copy_enqueue_s"], float)
+
+
+def test_a_direct_bucket_with_a_bad_flat_count_is_refused_before_anything_is_received():
+    weights, groups = _engine_weights_and_group("g")
+    before = weights.embed.clone()
     names = ["model.norm.weight", "model.embed_tokens.weight"]
     shapes = [list(weights.final_norm.shape), list(weights.embed.shape)]
     for bad in (3, -1, None):

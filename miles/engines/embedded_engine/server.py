@@ -164,12 +164,12 @@ class EngineServer:
         # request) resumes this handler in the loop iteration right after the step that set it,
         # so a CPU engine that runs its steps on the event loop still streams every token.
         progress = reqs[0].progress
-        pending, sent = list(reqs), {r.rid: 0 for r in reqs}
+        pending, sent = list(reqs), {id(r): 0 for r in reqs}  # tokens already streamed
         while pending:
             progress.clear()
             for r in list(pending):
-                if len(r.output_ids) > sent[r.rid] or r.finished:
-                    sent[r.rid] = len(r.output_ids)
+                if len(r.output_ids) > sent[id(r)] or r.finished:
+                    sent[id(r)] = len(r.output_ids)
                     chunk = self._response(r, body, streaming=True)
                     await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
                     if r.finished:

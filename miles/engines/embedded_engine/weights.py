@@ -375,8 +375,8 @@ class UpdateGroups:
                 n = math.prod(shape)
                 weights.copy_in(name, p.flat[offset:offset + n].view(shape))
                 offset += n
-            for name, t in p.scratch:
-                weights.copy_in(name, t)
+            for name, received in p.scratch:
+                weights.copy_in(name, received)
         self._tick("copy_enqueue_s", t)
         # No host sync here: the copies are ordered on the compute stream (generation runs there
         # too). A host sync per bucket kept the next receive from being posted until this bucket
