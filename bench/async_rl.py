@@ -11,7 +11,7 @@ plug-in that sets `max_new_tokens` and `ignore_eos`, so a few samples are ~10x l
 the straggler pattern of agentic and reasoning rollouts.
 
   .venv/bin/python bench/async_rl.py [--steps 8] [--median-tokens 24] [--device cpu|cuda]
-      [--engine-device cuda:1] [--model tiny|small] [--max-staleness 4] [--log-dir DIR]
+      [--engine-device cuda:1] [--model tiny|small] [--max-staleness 2[,3]] [--log-dir DIR]
       [--set KEY=VALUE ...]
 
 Beside the loop's figures each line carries the engine's own view, parsed from its periodic stats
@@ -113,6 +113,40 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def run_recipe(sets: dict, tag: str, out: Path, args) -> tuple[list[dict], float]:
+    """`miles run` the quickstart recipe with `sets` overrides; returns its metrics rows and wall time.
+
+    Output streams into DIR/async_rl_<tag>.log (`--log-dir`, else `out`) while it runs; the engine
+    log and the metrics are copied beside it."""
+    cmd = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml")]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
+    log_path = Path(args.log_dir or out) / f"async_rl_{tag}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise RuntimeError(f"{tag} run timed out after {args.timeout_s:.0f} s (log: {log_path}):\n"
+                               f"{_tail(log_path)}") from None
+    wall = time.monotonic() - t0
+    for name in ("logs/engine0.log", "metrics.jsonl"):  # kept beside the run's log, for diagnosis
+        if (out / name).exists() and args.log_dir:
+            shutil.copy(out / name, Path(args.log_dir) / f"async_rl_{tag}_{Path(name).name}")
+    if returncode != 0:
+        raise RuntimeError(f"{tag} run failed ({returncode}, log: {log_path}):\n{_tail(log_path)}")
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()], wall
+
+
 def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
     sets = {
         "run.output_dir": json.dumps(str(out)), "run.name": json.dumps(f"async_rl_{mode}"),
@@ -133,34 +167,8 @@ def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
         sets[key] = value
     if args.model != "tiny":
         sets["model.tiny_overrides"] = "{%s}" % ", ".join(f"{k} = {v}" for k, v in MODELS[args.model].items())
-    cmd = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml")]
-    for k, v in sets.items():
-        cmd += ["--set", f"{k}={v}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
     tag = mode if mode == "sync" else f"{mode}_s{max_staleness}"
-    log_path = Path(args.log_dir or out) / f"async_rl_{tag}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            returncode = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            raise RuntimeError(f"{mode} run timed out after {args.timeout_s:.0f} s (log: {log_path}):\n"
-                               f"{_tail(log_path)}") from None
-    wall = time.monotonic() - t0
-    for name in ("logs/engine0.log", "metrics.jsonl"):  # kept beside the run's log, for diagnosis
-        if (out / name).exists() and args.log_dir:
-            shutil.copy(out / name, Path(args.log_dir) / f"async_rl_{tag}_{Path(name).name}")
-    if returncode != 0:
-        raise RuntimeError(f"{mode} run failed ({returncode}, log: {log_path}):\n{_tail(log_path)}")
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, wall = run_recipe(sets, tag, out, args)
     train = [r for r in rows if r["kind"] == "train"]
     actors = [r for r in rows if r["kind"] == "actors"]
     # Steady state: from the end of step 1 to the end of the last step (start-up and the first
@@ -210,11 +218,80 @@ def engine_summary(log_path: Path) -> dict:
             "engine_prefill_compute_frac": round(sum(r[10] for r in rows) / 1e3 / secs, 3)}
 
 
+def reward_curves(args, machine: str) -> list[dict]:
+    """The quickstart as it ships (a task that learns: held-out reward ~0.4 -> ~0.8 in 150 steps)
+    in sync and in fully-async mode, once per seed; its eval (100 held-out prompts, greedy, every
+    10 steps) is the curve. Returns one line per mode and a comparison line."""
+    seeds = [int(x) for x in str(args.seeds).split(",")]
+    bound = int(str(args.max_staleness).split(",")[0])
+    curves: dict[str, list[dict[int, float]]] = {"sync": [], "fully_async": []}
+    walls: dict[str, list[float]] = {"sync": [], "fully_async": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for mode in curves:
+                out = Path(tmp) / f"curve_{mode}_seed{seed}"
+                sets = {"run.output_dir": json.dumps(str(out)), "run.seed": seed, "loop.mode": json.dumps(mode),
+                        "loop.num_steps": args.curve_steps, "loop.max_staleness": bound, "loop.resume": "false",
+                        "loop.save_every": 0, "cluster.head_port": _port(), "logging.progress": "false",
+                        "logging.plot": "false", "weights.check_weights": "false"}
+                rows, wall = run_recipe(sets, f"curve_{mode}_seed{seed}", out, args)
+                curves[mode].append({r["step"]: r["eval/reward"] for r in rows if r["kind"] == "eval"})
+                walls[mode].append(wall)
+    steps = sorted(set.intersection(*(set(c) for runs in curves.values() for c in runs)))
+    table = {m: np.array([[c[s] for s in steps] for c in runs]) for m, runs in curves.items()}  # [seed, step]
+    last = max(1, len(steps) // 3)  # "final": the mean of the last third of the curve
+    lines = []
+    for mode, t in table.items():
+        lines.append({"bench": "async_rl", "part": "reward_curve", "mode": mode,
+                      "max_staleness": 0 if mode == "sync" else bound, "seeds": seeds, "eval_steps": steps,
+                      "eval_reward_mean": [round(float(x), 3) for x in t.mean(0)],
+                      "eval_reward_per_seed": [[round(float(x), 3) for x in row] for row in t],
+                      "start_eval_reward": round(float(t[:, 0].mean()), 3),
+                      "final_eval_reward": round(float(t[:, -last:].mean()), 3),
+                      "wall_s": round(float(np.mean(walls[mode])), 1), "machine": machine})
+    # Noise: how far two runs of the same mode land apart. The seed-to-seed standard deviation of
+    # each run's final reward, pooled over both modes, gives the standard error of the difference
+    # of the two modes' means; "within noise" is a difference under two of those.
+    finals = {m: t[:, -last:].mean(1) for m, t in table.items()}
+    diff = float(finals["fully_async"].mean() - finals["sync"].mean())
+    n = len(seeds)
+    pooled_sd = float(np.sqrt((finals["sync"].var(ddof=1) + finals["fully_async"].var(ddof=1)) / 2)) if n > 1 else float("nan")
+    se = pooled_sd * np.sqrt(2 / n)
+    lines.append({"bench": "async_rl", "part": "reward_curve_compare", "max_staleness": bound, "seeds": seeds,
+                  "final_diff": round(diff, 3),
+                  "curve_mean_diff": round(float(table["fully_async"].mean() - table["sync"].mean()), 3),
+                  "seed_sd": round(pooled_sd, 3), "diff_se": round(float(se), 3),
+                  "within_noise": bool(abs(diff) <= 2 * se) if n > 1 else None, "machine": machine})
+    if args.log_dir:
+        _plot_curves(steps, table, Path(args.log_dir) / "async_rl_reward_curves.png")
+    return lines
+
+
+def _plot_curves(steps, table, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for (mode, t), color in zip(table.items(), ("tab:blue", "tab:orange")):
+        for row in t:
+            ax.plot(steps, row, color=color, alpha=0.25, linewidth=1)
+        ax.plot(steps, t.mean(0), color=color, linewidth=2, label=f"{mode} (mean of {len(t)} seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out reward (greedy)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--max-staleness", default="4",
+    ap.add_argument("--max-staleness", default="2",
                     help="fully-async's bound; a comma list (e.g. 2,3) runs fully-async once per value")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
                     help="tiny: the quickstart model; small: ~0.2B (for GPUs)")
@@ -228,9 +305,17 @@ def main() -> None:
                     help="another recipe override for both modes (TOML value), e.g. train.compile=false")
     ap.add_argument("--log-dir", default=None,
                     help="stream each mode's output to DIR/async_rl_<mode>.log while it runs")
+    ap.add_argument("--reward-curve", action="store_true",
+                    help="instead: the quickstart's held-out reward curve, sync vs fully-async, per seed")
+    ap.add_argument("--seeds", default="0,1,2", help="--reward-curve: one run per mode and seed")
+    ap.add_argument("--curve-steps", type=int, default=150, help="--reward-curve: steps per run")
     args = ap.parse_args()
     machine = f"{platform.machine()} {os.cpu_count()} cpu" + (
         f", {args.device}" if args.device != "cpu" else "")
+    if args.reward_curve:
+        for line in reward_curves(args, machine):
+            print(json.dumps(line), flush=True)
+        return
     bounds = [int(b) for b in str(args.max_staleness).split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         sync = run_mode("sync", args, Path(tmp) / "sync", bounds[0])
