@@ -17,7 +17,13 @@ the straggler pattern of agentic and reasoning rollouts.
 Beside the loop's figures each line carries the engine's own view, parsed from its periodic stats
 lines (`engine_decode_batch`, `engine_ms_per_decode`, `engine_prefill_frac`, `engine_paused_frac`),
 and the same decode and prefill times measured on the engine's compute thread alone
-(`engine_ms_per_decode_compute`, `engine_prefill_compute_frac`).
+(`engine_ms_per_decode_compute`, `engine_prefill_compute_frac`). `cpu_util` is the share of all
+the machine's cores busy over the same steady-state window (Linux /proc/stat): on a CPU-only
+machine, where engine and trainer share the cores, it says how close a mode runs to the hardware.
+
+`--reward-curve` instead runs the quickstart recipe as it ships (its task learns) in both modes
+for each of `--seeds`, and compares their held-out reward curves against seed-to-seed noise
+(one line per mode, then a `reward_curve_compare` line; a PNG of the curves in `--log-dir`).
 
 Design decisions:
 - The answer is scored on the response up to its first special token (EOS, `<|im_end|>`): the
@@ -113,8 +119,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run_recipe(sets: dict, tag: str, out: Path, args) -> tuple[list[dict], float]:
-    """`miles run` the quickstart recipe with `sets` overrides; returns its metrics rows and wall time.
+def run_recipe(sets: dict, tag: str, out: Path, args) -> tuple[list[dict], float, dict]:
+    """`miles run` the quickstart recipe with `sets` overrides; returns its metrics rows, wall time
+    and the machine's CPU counters (/proc/stat, Linux) read as each training step was logged.
 
     Output streams into DIR/async_rl_<tag>.log (`--log-dir`, else `out`) while it runs; the engine
     log and the metrics are copied beside it."""
@@ -128,7 +135,8 @@ def run_recipe(sets: dict, tag: str, out: Path, args) -> tuple[list[dict], float
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            returncode = proc.wait(timeout=args.timeout_s)
+            cpu_at_step = _watch_steps(proc, out / "metrics.jsonl", t0 + args.timeout_s)
+            returncode = proc.wait(timeout=max(1.0, t0 + args.timeout_s - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.terminate()
             try:
@@ -144,7 +152,49 @@ def run_recipe(sets: dict, tag: str, out: Path, args) -> tuple[list[dict], float
             shutil.copy(out / name, Path(args.log_dir) / f"async_rl_{tag}_{Path(name).name}")
     if returncode != 0:
         raise RuntimeError(f"{tag} run failed ({returncode}, log: {log_path}):\n{_tail(log_path)}")
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()], wall
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()], wall, cpu_at_step
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, or None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def _watch_steps(proc, metrics: Path, deadline: float) -> dict:
+    """Poll the run's metrics every 50 ms until it exits; at each newly logged training step read
+    the CPU counters. Returns {step index (0-based, in log order): (busy, total)}."""
+    seen, offset, buf = {}, 0, b""
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        if metrics.exists():
+            with open(metrics, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            now = _cpu_jiffies()
+            for line in lines:
+                if line and json.loads(line).get("kind") == "train" and now is not None:
+                    seen[len(seen)] = now
+        time.sleep(0.05)
+    return seen
+
+
+def _cpu_util(cpu_at_step: dict, first: int, last: int) -> float | None:
+    """Fraction of all cores busy between two logged training steps (the whole machine: on a
+    dedicated one, that is the run's processes)."""
+    if first not in cpu_at_step or last not in cpu_at_step:
+        return None
+    (b0, t0), (b1, t1) = cpu_at_step[first], cpu_at_step[last]
+    return round((b1 - b0) / (t1 - t0), 3) if t1 > t0 else None
 
 
 def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
@@ -168,7 +218,7 @@ def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
     if args.model != "tiny":
         sets["model.tiny_overrides"] = "{%s}" % ", ".join(f"{k} = {v}" for k, v in MODELS[args.model].items())
     tag = mode if mode == "sync" else f"{mode}_s{max_staleness}"
-    rows, wall = run_recipe(sets, tag, out, args)
+    rows, wall, cpu_at_step = run_recipe(sets, tag, out, args)
     train = [r for r in rows if r["kind"] == "train"]
     actors = [r for r in rows if r["kind"] == "actors"]
     # Steady state: from the end of step 1 to the end of the last step (start-up and the first
@@ -188,7 +238,7 @@ def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
             "publish_s": round(float(np.mean([r["perf/step_s"] - r["perf/train_s"] for r in train[1:]])), 3),
             "response_len": round(float(np.mean([r["rollout/response_len"] for r in train])), 1),
             "samples_per_step": args.groups * 4, "steps": len(train), "wall_s": round(wall, 1),
-            **engine}
+            "cpu_util": _cpu_util(cpu_at_step, 0, len(train) - 1), **engine}
 
 
 STATS = re.compile(r"engine stats over ([\d.]+) s: decode (\d+) steps, batch ([\d.]+), ([\d.]+) ms/step "
@@ -234,7 +284,7 @@ def reward_curves(args, machine: str) -> list[dict]:
                         "loop.num_steps": args.curve_steps, "loop.max_staleness": bound, "loop.resume": "false",
                         "loop.save_every": 0, "cluster.head_port": _port(), "logging.progress": "false",
                         "logging.plot": "false", "weights.check_weights": "false"}
-                rows, wall = run_recipe(sets, f"curve_{mode}_seed{seed}", out, args)
+                rows, wall, _ = run_recipe(sets, f"curve_{mode}_seed{seed}", out, args)
                 curves[mode].append({r["step"]: r["eval/reward"] for r in rows if r["kind"] == "eval"})
                 walls[mode].append(wall)
     steps = sorted(set.intersection(*(set(c) for runs in curves.values() for c in runs)))

@@ -127,6 +127,7 @@ async def bench_engine(args, path, device) -> dict[int, float]:
         "--max-total-tokens", str(max_bs * (args.prompt_len + args.n_long) + 1024),
         "--context-length", str(args.prompt_len + args.n_long + 64), "--random-seed", "0",
         "--cuda-graph-max-bs", str(max_bs), "--torch-threads", str(torch.get_num_threads()),
+        "--prefill-attention", args.prefill_attention,
         *(["--disable-cuda-graph"] if args.disable_cuda_graph else [])])
     server = build_server(ns)
     server.scheduler.start()
@@ -145,7 +146,8 @@ async def bench_engine(args, path, device) -> dict[int, float]:
         await server.scheduler.close()
     info = {"weights_bytes": server.runner.model.weights.nbytes(),
             "kv_bytes_per_token": server.runner.kv.nbytes() // server.runner.kv.num_slots,
-            "cuda_graph": server.runner.use_graphs}
+            "cuda_graph": server.runner.use_graphs,
+            "prefill_attention": "varlen" if server.runner.model.varlen is not None else "sdpa"}
     del server
     return out, info
 
@@ -162,6 +164,8 @@ def main() -> None:
     p.add_argument("--n-long", type=int, default=None)
     p.add_argument("--hbm-gbps", type=float, default=4200.0)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--prefill-attention", default="auto", choices=["auto", "varlen", "sdpa"],
+                   help="the engine's prefill attention (varlen: FlashAttention, CUDA bf16/fp16)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile one run per batch (stderr)")
     args = p.parse_args()
@@ -204,6 +208,7 @@ def main() -> None:
             "speedup_vs_hf": round(hf[b] / s, 2) if b in hf else None,
             "hbm_bound_tok_per_s": round(b * args.hbm_gbps * 1e9 / step_bytes, 1) if cuda else None,
             "machine": machine(device), "device": str(device), "cuda_graph": info["cuda_graph"],
+            "prefill_attention": info["prefill_attention"],
             "prompt_len": args.prompt_len, "new_tokens": [args.n_short, args.n_long]}), flush=True)
 
 
