@@ -191,6 +191,62 @@ def test_batched_prefill_of_uneven_lengths_equals_each_alone_and_bad_attention_i
         ModelRunner(str(path), RunnerConfig(device="cpu", max_total_tokens=500, prefill_attention="flash"))
 
 
+def test_auto_prefill_attention_packs_only_batches_that_padding_would_mostly_waste():
+    """With a packed (varlen) kernel present, `auto` pads batches of similar lengths (one SDPA
+    call per layer, the cheaper path on a GPU) and packs those where padding would more than
+    double the work; `varlen_always` packs every batch. Both paths give the same logits (here the
+    packed kernel is a per-sequence causal SDPA, standing in for FlashAttention on CPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
+    path = build_tiny_model(arch="qwen3")
+    r = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=16,
+                                            max_total_tokens=4000, context_length=128))
+    calls = []
+
+    def packed(q, k, v, cu_seqlens, max_len, scale):
+        calls.append(len(cu_seqlens) - 1)
+        cu = cu_seqlens.tolist()
+        out = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                              v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+                                              enable_gqa=True).transpose(0, 1)
+               for a, b in zip(cu, cu[1:])]
+        return torch.cat(out)
+
+    g = torch.Generator().manual_seed(3)
+
+    def run(lengths):
+        seqs = [torch.randint(1, r.shape.vocab_size, (n,), generator=g).tolist() for n in lengths]
+        rows = [r.kv.alloc_row() for _ in seqs]
+        slots = [r.kv.alloc(len(q)) for q in seqs]
+        logits, _ = r.prefill(seqs, rows, slots, [0] * len(seqs), False)
+        for row, sl in zip(rows, slots):
+            r.kv.free_row(row)
+            r.kv.free(sl)
+        return seqs, logits
+
+    def padded_only(seqs):
+        r.model.varlen = None
+        rows = [r.kv.alloc_row() for _ in seqs]
+        slots = [r.kv.alloc(len(q)) for q in seqs]
+        logits, _ = r.prefill(seqs, rows, slots, [0] * len(seqs), False)
+        r.model.varlen = packed
+        return logits
+
+    r.model.varlen = packed
+    seqs, _ = run([20, 18, 22, 21])        # 4 x 22 padded for 81 real tokens: pad
+    assert calls == []
+    seqs, logits = run([3, 40, 2])          # 3 x 40 for 45: pack
+    assert calls == [3] * r.shape.num_layers
+    for got, want in zip(logits, padded_only(seqs)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    r.model.varlen_always = True
+    run([20, 18, 22, 21])
+    assert calls == [4] * r.shape.num_layers
+
+
 async def test_cpu_steps_run_on_the_event_loop_except_long_prefills():
     """On CPU, decode steps and short prefills run on the event loop's thread; a prefill longer
     than INLINE_MAX_TOKENS goes to the compute thread (a blocked loop fails health checks)."""

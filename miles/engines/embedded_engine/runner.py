@@ -21,16 +21,17 @@ Design decisions:
   their cost is one matmul and their inputs (per-request sampling params) vary.
 - Prefill is one eager forward over the new sequences, packed: every index it needs is built on
   the host and moved in one transfer (`PrefillInputs`), so it never syncs the device mid-forward.
-  Attention is FlashAttention varlen on CUDA (the trainer's probed kernel, miles.backends.attention)
-  and causal SDPA over a right-padded view elsewhere; cuDNN SDPA is excluded on CUDA because it
-  builds a plan per shape and every prefill has a new one. Before, with a masked padded SDPA, a
-  prefill of ~20 prompts of ~50 tokens took 75-100 ms on the compute thread of an H200 engine
-  (0.2B model, in the RL loop), against 3-4 ms per decode step; host-built indices alone did not
-  change that, the attention change did: 13 ms for 32 prompts of 48 tokens now
-  (bench/engine.py's `prefill_ms`). Whether cuDNN planning or the masked kernel was the cost was
-  not isolated. A profile of that prefill shows the varlen op's Python dispatch (a torch custom
-  op) as a large share of its host time; `--prefill-attention sdpa` is the padded path, for
-  comparison (not yet measured against it on a GPU).
+  Attention is causal SDPA over a right-padded view, or on CUDA FlashAttention varlen (the
+  trainer's probed kernel, miles.backends.attention) for batches whose padding would more than
+  double the work (`--prefill-attention auto`; `varlen` and `sdpa` force one path). cuDNN SDPA
+  is excluded on CUDA because it builds a plan per shape and every prefill has a new one.
+  Before, with a masked padded SDPA (cuDNN allowed), a prefill of ~20 prompts of ~50 tokens
+  took 75-100 ms on the compute thread of an H200 engine (0.2B model, in the RL loop), against
+  3-4 ms per decode step; host-built indices alone did not change that, the attention change
+  did. Whether cuDNN planning or the masked kernel was the cost was not isolated. Measured since
+  (bench/engine.py `prefill_ms`, 0.2B, H200, 32 prompts of 48 tokens): padded causal SDPA
+  10.4 ms, varlen 17.6 ms, the difference being the varlen op's per-call host cost (a torch
+  custom op); at batch 8, 9.9 vs 11.0 ms.
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
 """
@@ -113,6 +114,7 @@ class ModelRunner:
             from miles.backends import attention  # the trainer's probed FlashAttention varlen kernel
             if attention.enable_varlen_kernel(self.device, self.dtype):
                 self.model.varlen = attention.varlen_causal
+                self.model.varlen_always = cfg.prefill_attention == "varlen"
         if cfg.prefill_attention == "varlen" and self.model.varlen is None:
             raise ValueError(f"prefill_attention: 'varlen' needs a working FlashAttention varlen kernel "
                              f"(CUDA, bf16/fp16); none on {self.device} in {cfg.dtype}")
