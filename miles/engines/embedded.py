@@ -9,6 +9,7 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
         [--cuda-graph-precapture-kv N] [--prefill-interval-steps N] [--log-stats-interval-s S] \
         [--prefill-attention auto|varlen|sdpa] [--load-format auto|safetensors|dummy] \
+        [--inline-steps auto|all|prefill|none] \
         [--mem-fraction-kv F] [--log-level info]
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-interval-steps", type=int, default=4,
                    help="while requests decode, prefill new arrivals only every N decode steps "
                         "(or once max(8, running/4) wait): fewer, larger prefills (0: at once)")
+    p.add_argument("--inline-steps", choices=("auto", "all", "prefill", "none"), default="auto",
+                   help="which steps run on the event loop rather than the compute thread "
+                        "(auto: all on CPU, none on CUDA)")
     p.add_argument("--log-stats-interval-s", type=float, default=30.0,
                    help="an INFO line of decode/prefill/pause time and tokens/s this often (0: never)")
     return p

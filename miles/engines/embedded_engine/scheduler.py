@@ -64,6 +64,7 @@ from miles.engines.embedded_engine.sampling import SamplingBatch, device_uniform
 log = logging.getLogger(__name__)
 
 INLINE_MAX_TOKENS = 2048  # a CPU step over more tokens runs on the compute thread (see above)
+INLINE_MODES = ("auto", "all", "prefill", "none")
 
 
 @dataclass(eq=False)  # identity: `running.remove(req)` must not compare every field of every request
@@ -131,7 +132,7 @@ class _Window:
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_running_requests: int, max_prefill_tokens: int,
                  weight_version: str, detokenize=None, stats_interval_s: float = 30.0,
-                 prefill_interval: int = 4, inline_steps: bool | None = None):
+                 prefill_interval: int = 4, inline_steps: str = "auto"):
         self.runner = runner
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -152,8 +153,12 @@ class Scheduler:
         self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
         self.stats_interval_s = stats_interval_s
         self.prefill_interval = prefill_interval
-        # On CPU a step's forward and sampling run on the event loop itself (see the docstring)
-        self.inline_steps = runner.device.type == "cpu" if inline_steps is None else inline_steps
+        # Which steps' forward and sampling run on the event loop itself (see the docstring)
+        if inline_steps not in INLINE_MODES:
+            raise ValueError(f"inline_steps: {inline_steps!r} is not one of {', '.join(INLINE_MODES)}")
+        if inline_steps == "auto":
+            inline_steps = "all" if runner.device.type == "cpu" else "none"
+        self.inline_steps = inline_steps
         self._decodes_since_prefill = 0
         self._window = _Window()
 
@@ -182,7 +187,7 @@ class Scheduler:
     async def run_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
-    async def _timed_compute(self, key: str, fn, tokens: int):
+    async def _timed_compute(self, key: str, fn, tokens: int, prefill: bool):
         """A step's forward and sampling over `tokens` tokens: on the compute thread, or inline on
         CPU (see `inline_steps`) unless it is a prefill longer than `INLINE_MAX_TOKENS`; its own
         time is added to the stats window under `key` (beside the step's wall time, it shows what
@@ -190,7 +195,8 @@ class Scheduler:
         def timed():
             t = time.perf_counter()
             return fn(), time.perf_counter() - t
-        inline = self.inline_steps and tokens <= INLINE_MAX_TOKENS
+        inline = (self.inline_steps == "all" or (prefill and self.inline_steps == "prefill")) \
+            and tokens <= INLINE_MAX_TOKENS
         out, seconds = timed() if inline else await self.run_compute(timed)
         self._window.add(key, seconds)
         return out
@@ -375,7 +381,7 @@ class Scheduler:
             return _to_host(out), routing, input_lps
 
         (tokens, logprobs, tops), routing, input_lps = await self._timed_compute(
-            "prefill_compute_s", compute, sum(len(q) for q in seqs))
+            "prefill_compute_s", compute, sum(len(q) for q in seqs), prefill=True)
         self.stats["prefills"] += 1
         for i, req in enumerate(batch):
             if req.finished:  # aborted while computing cannot happen (lock), but stay safe
@@ -418,7 +424,7 @@ class Scheduler:
             return _to_host(sample(logits, sb, uniforms)), routing
 
         (tokens, logprobs, tops), routing = await self._timed_compute("decode_compute_s", compute,
-                                                                       len(batch))
+                                                                       len(batch), prefill=False)
         self.stats["steps"] += 1
         for i, req in enumerate(batch):
             if routing is not None and req.routed is not None:

@@ -75,6 +75,7 @@ class EngineServer:
                                    weight_version=args.weight_version,
                                    stats_interval_s=args.log_stats_interval_s,
                                    prefill_interval=args.prefill_interval_steps,
+                                   inline_steps=args.inline_steps,
                                    detokenize=self._detok if tokenizer is not None else None)
         self.groups = W.UpdateGroups(runner.device)
         self._bucket_turn = asyncio.Condition()
