@@ -32,6 +32,7 @@ import platform
 import sys
 import time
 
+import numpy as np
 import torch
 
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -103,6 +104,24 @@ async def profile_run(server, batch: int, args) -> None:
               f"{1e3 * t / runs:.3f} ms/run under the profiler\n{text.getvalue()}", file=sys.stderr, flush=True)
 
 
+async def prefill_shapes(server, args) -> dict:
+    """Prefill cost at shapes the engine has not seen, then at the same shapes again.
+
+    An RL loop's prefills rarely repeat a shape (how many requests arrived, how long their prompts
+    are), while `prefill_ms` above is the best of 5 runs of one shape; a large gap here is a cost
+    paid per new shape (kernel selection, allocator growth)."""
+    shapes = [(b, n) for b, n in zip((5, 9, 13, 17, 21, 25, 29, 33), (6, 7, 9, 11, 8, 10, 12, 14))]
+    first, again = [], []
+    for k, (b, n) in enumerate(shapes):
+        first.append(await engine_run(server, b, n, 1, seed=100 + k))
+    for k, (b, n) in enumerate(shapes):
+        again.append(await engine_run(server, b, n, 1, seed=200 + k))
+    ms = lambda xs: [round(x * 1e3, 2) for x in xs]  # noqa: E731
+    return {"bench": "engine_prefill_shapes", "shapes": shapes, "first_ms": ms(first), "again_ms": ms(again),
+            "first_median_ms": round(float(np.median(first)) * 1e3, 2),
+            "again_median_ms": round(float(np.median(again)) * 1e3, 2)}
+
+
 def hf_run(model, batch, prompt_len, new_tokens, device) -> float:
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
     sync(device)
@@ -133,6 +152,10 @@ async def bench_engine(args, path, device) -> dict[int, float]:
     server.scheduler.start()
     out = {}
     try:
+        if args.prefill_shapes:
+            info = await prefill_shapes(server, args)
+            info.update(machine=machine(device))
+            print(json.dumps(info), flush=True)
         for b in args.batches:
             await engine_run(server, b, args.prompt_len, args.n_long, seed=1)  # warm-up, graph capture
             t_short = await engine_run(server, b, args.prompt_len, args.n_short, seed=2)
@@ -167,6 +190,8 @@ def main() -> None:
     p.add_argument("--prefill-attention", default="auto", choices=["auto", "varlen", "sdpa"],
                    help="the engine's prefill attention (varlen: FlashAttention, CUDA bf16/fp16)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--prefill-shapes", action="store_true",
+                   help="first: prefill cost at 8 new (batch, prompt length) shapes, then again")
     p.add_argument("--profile", action="store_true", help="cProfile one run per batch (stderr)")
     args = p.parse_args()
     device = torch.device(args.device)
