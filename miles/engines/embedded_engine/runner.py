@@ -31,10 +31,7 @@ Design decisions:
   did. Whether cuDNN planning or the masked kernel was the cost was not isolated. Measured since
   (bench/engine.py `prefill_ms`, 0.2B, H200, 32 prompts of 48 tokens): padded causal SDPA
   10.4 ms, varlen 17.6 ms, the difference being the varlen op's per-call host cost (a torch
-  custom op); at batch 8, 9.9 vs 11.0 ms. On CUDA the packed stream is padded with filler to a
-  bucket of its length (`prefill_token_bucket`, at most 1/8 extra): an RL loop's prefills rarely
-  repeat a token count, and each new matmul shape paid a set-up (8 new shapes: median 23.8 ms
-  per prefill, the same shapes again 14.6 ms).
+  custom op); at batch 8, 9.9 vs 11.0 ms.
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
 """
@@ -51,7 +48,7 @@ import torch
 
 from miles.engines.embedded_engine.kv_cache import KVPool
 from miles.engines.embedded_engine.model import (DecodeInputs, Model, PrefillInputs, kv_bytes_per_token,
-                                                 next_pow2, prefill_token_bucket)
+                                                 next_pow2)
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +146,7 @@ class ModelRunner:
         """
         dev = self.device
         lens = [len(s) for s in seqs]
-        # On CUDA the packed length is bucketed so that matmul shapes repeat (see the function)
-        packed = prefill_token_bucket(sum(lens)) if dev.type == "cuda" else None
-        inp = PrefillInputs.build(seqs, slots, rows, logit_starts, dev, packed_len=packed)
+        inp = PrefillInputs.build(seqs, slots, rows, logit_starts, dev)
         self.kv.req_to_token[inp.token_rows, inp.positions] = inp.slots
         hidden, routing = self.model.prefill(inp, self.kv, capture_routing and self.shape.is_moe)
         logits = self.model.logits(hidden.index_select(0, inp.logit_index))
