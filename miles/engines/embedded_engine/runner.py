@@ -31,7 +31,10 @@ Design decisions:
   did. Whether cuDNN planning or the masked kernel was the cost was not isolated. Measured since
   (bench/engine.py `prefill_ms`, 0.2B, H200, 32 prompts of 48 tokens): padded causal SDPA
   10.4 ms, varlen 17.6 ms, the difference being the varlen op's per-call host cost (a torch
-  custom op); at batch 8, 9.9 vs 11.0 ms.
+  custom op); at batch 8, 9.9 vs 11.0 ms. A prefill at a shape the engine has not seen costs
+  more (`--prefill-shapes`: median 23.8 ms at 8 new shapes, 14.6 ms for the same again), which
+  is why RL-loop prefills (every batch a new shape) take 20-40 ms; padding the packed token
+  count to buckets was tried and did not remove it (23.8 / 16.5 ms), so the cause is elsewhere.
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
 """
