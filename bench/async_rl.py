@@ -299,22 +299,30 @@ def reward_curves(args, machine: str) -> list[dict]:
                       "start_eval_reward": round(float(t[:, 0].mean()), 3),
                       "final_eval_reward": round(float(t[:, -last:].mean()), 3),
                       "wall_s": round(float(np.mean(walls[mode])), 1), "machine": machine})
-    # Noise: how far two runs of the same mode land apart. The seed-to-seed standard deviation of
-    # each run's final reward, pooled over both modes, gives the standard error of the difference
-    # of the two modes' means; "within noise" is a difference under two of those.
-    finals = {m: t[:, -last:].mean(1) for m, t in table.items()}
-    diff = float(finals["fully_async"].mean() - finals["sync"].mean())
-    n = len(seeds)
-    pooled_sd = float(np.sqrt((finals["sync"].var(ddof=1) + finals["fully_async"].var(ddof=1)) / 2)) if n > 1 else float("nan")
-    se = pooled_sd * np.sqrt(2 / n)
     lines.append({"bench": "async_rl", "part": "reward_curve_compare", "max_staleness": bound, "seeds": seeds,
-                  "final_diff": round(diff, 3),
-                  "curve_mean_diff": round(float(table["fully_async"].mean() - table["sync"].mean()), 3),
-                  "seed_sd": round(pooled_sd, 3), "diff_se": round(float(se), 3),
-                  "within_noise": bool(abs(diff) <= 2 * se) if n > 1 else None, "machine": machine})
+                  **compare_curves(table["sync"], table["fully_async"], last), "machine": machine})
     if args.log_dir:
         _plot_curves(steps, table, Path(args.log_dir) / "async_rl_reward_curves.png")
     return lines
+
+
+def compare_curves(sync: np.ndarray, fully_async: np.ndarray, last: int) -> dict:
+    """Two modes' reward curves, each [seed, eval point], over their last `last` points.
+
+    Noise is how far two runs of the same mode land apart: the seed-to-seed standard deviation of
+    each run's final reward, pooled over both modes, gives the standard error of the difference
+    of the two modes' means; "within noise" is a difference under two of those (None with one
+    seed, where there is no noise estimate)."""
+    finals = [sync[:, -last:].mean(1), fully_async[:, -last:].mean(1)]
+    diff = float(finals[1].mean() - finals[0].mean())
+    n = len(finals[0])
+    out = {"final_diff": round(diff, 3), "curve_mean_diff": round(float(fully_async.mean() - sync.mean()), 3),
+           "seed_sd": None, "diff_se": None, "within_noise": None}
+    if n > 1:
+        sd = float(np.sqrt((finals[0].var(ddof=1) + finals[1].var(ddof=1)) / 2))
+        se = sd * float(np.sqrt(2 / n))
+        out.update(seed_sd=round(sd, 3), diff_se=round(se, 3), within_noise=bool(abs(diff) <= 2 * se))
+    return out
 
 
 def _plot_curves(steps, table, path: Path) -> None:
