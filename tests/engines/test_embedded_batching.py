@@ -247,9 +247,14 @@ def test_auto_prefill_attention_packs_only_batches_that_padding_would_mostly_was
     assert calls == [4] * r.shape.num_layers
 
 
-async def test_cpu_steps_run_on_the_event_loop_except_long_prefills():
-    """On CPU, decode steps and short prefills run on the event loop's thread; a prefill longer
-    than INLINE_MAX_TOKENS goes to the compute thread (a blocked loop fails health checks)."""
+@pytest.mark.parametrize("mode, short_prefill_on_loop, decode_on_loop",
+                         [("auto", True, True), ("all", True, True), ("prefill", True, False),
+                          ("none", False, False)])
+async def test_inline_steps_pick_which_steps_run_on_the_event_loop(mode, short_prefill_on_loop,
+                                                                   decode_on_loop):
+    """`inline_steps` (auto is all on CPU) puts a step's forward on the event loop's thread or the
+    compute thread; a prefill longer than INLINE_MAX_TOKENS always goes to the thread (a blocked
+    loop fails health checks). A bad mode is refused, naming the field."""
     import threading
 
     from miles.engines.embedded_engine.protocol import SamplingParams
@@ -258,14 +263,17 @@ async def test_cpu_steps_run_on_the_event_loop_except_long_prefills():
     path = build_tiny_model(arch="qwen3")
     runner = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=4,
                                                  max_total_tokens=6000, context_length=4096))
-    sch = Scheduler(runner, max_running_requests=4, max_prefill_tokens=8192, weight_version="0")
+    with pytest.raises(ValueError, match="inline_steps: 'gpu' is not one of"):
+        Scheduler(runner, max_running_requests=4, max_prefill_tokens=8192, weight_version="0",
+                  inline_steps="gpu")
+    sch = Scheduler(runner, max_running_requests=4, max_prefill_tokens=8192, weight_version="0",
+                    inline_steps=mode)
     seen = []
     for name in ("prefill", "decode"):
         original = getattr(runner, name)
 
         def spy(*args, _name=name, _original=original, **kw):
-            seen.append((_name, len(args[0]) if _name == "prefill" else 0,
-                         threading.current_thread() is threading.main_thread()))
+            seen.append((_name, threading.current_thread() is threading.main_thread()))
             return _original(*args, **kw)
         setattr(runner, name, spy)
     sch.start()
@@ -278,9 +286,9 @@ async def test_cpu_steps_run_on_the_event_loop_except_long_prefills():
             assert len(req.output_ids) == 3
     finally:
         await sch.close()
-    prefills = [on_loop for name, _, on_loop in seen if name == "prefill"]
-    decodes = [on_loop for name, _, on_loop in seen if name == "decode"]
-    assert prefills == [True, False] and decodes and all(decodes), seen
+    prefills = [on_loop for name, on_loop in seen if name == "prefill"]
+    decodes = {on_loop for name, on_loop in seen if name == "decode"}
+    assert prefills == [short_prefill_on_loop, False] and decodes == {decode_on_loop}, seen
 
 
 async def test_arrivals_wait_for_the_prefill_interval_then_share_one_prefill():

@@ -191,8 +191,8 @@ class Scheduler:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     async def _timed_compute(self, key: str, fn, tokens: int, prefill: bool):
-        """A step's forward and sampling over `tokens` tokens: on the compute thread, or inline on
-        CPU (see `inline_steps`) unless it is a prefill longer than `INLINE_MAX_TOKENS`; its own
+        """A step's forward and sampling over `tokens` tokens: on the compute thread, or on the
+        event loop where `inline_steps` says so, unless over `INLINE_MAX_TOKENS` tokens; its own
         time is added to the stats window under `key` (beside the step's wall time, it shows what
         the hop to the thread and the GIL cost)."""
         def timed():
