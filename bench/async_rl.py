@@ -238,7 +238,7 @@ def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
             "publish_s": round(float(np.mean([r["perf/step_s"] - r["perf/train_s"] for r in train[1:]])), 3),
             "response_len": round(float(np.mean([r["rollout/response_len"] for r in train])), 1),
             "samples_per_step": args.groups * 4, "steps": len(train), "wall_s": round(wall, 1),
-            "cpu_util": _cpu_util(cpu_at_step, 0, len(train) - 1), **engine}
+            "cpu_util": _cpu_util(cpu_at_step, 0, min(len(train) - 1, max(cpu_at_step, default=0))), **engine}
 
 
 STATS = re.compile(r"engine stats over ([\d.]+) s: decode (\d+) steps, batch ([\d.]+), ([\d.]+) ms/step "
