@@ -284,6 +284,7 @@ def reward_curves(args, machine: str) -> list[dict]:
                         "loop.num_steps": args.curve_steps, "loop.max_staleness": bound, "loop.resume": "false",
                         "loop.save_every": 0, "cluster.head_port": _port(), "logging.progress": "false",
                         "logging.plot": "false", "weights.check_weights": "false"}
+                sets.update(item.partition("=")[::2] for item in args.set)  # --set: last, as above
                 rows, wall, _ = run_recipe(sets, f"curve_{mode}_seed{seed}", out, args)
                 curves[mode].append({r["step"]: r["eval/reward"] for r in rows if r["kind"] == "eval"})
                 walls[mode].append(wall)
