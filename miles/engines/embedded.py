@@ -9,7 +9,7 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
         [--cuda-graph-precapture-kv N] [--prefill-interval-steps N] [--log-stats-interval-s S] \
         [--prefill-attention auto|varlen|sdpa] [--load-format auto|safetensors|dummy] \
-        [--inline-steps auto|all|prefill|none] [--prefill-warmup-tokens N] \
+        [--inline-steps auto|all|prefill|none] \
         [--mem-fraction-kv F] [--log-level info]
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
@@ -85,9 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-interval-steps", type=int, default=4,
                    help="while requests decode, prefill new arrivals only every N decode steps "
                         "(or once max(8, running/4) wait): fewer, larger prefills (0: at once)")
-    p.add_argument("--prefill-warmup-tokens", type=int, default=4096,
-                   help="CUDA: at start-up, one dummy prefill per token bucket up to N tokens, so no "
-                        "prefill meets a new matmul shape mid-run (0: none)")
     p.add_argument("--inline-steps", choices=("auto", "all", "prefill", "none"), default="auto",
                    help="which steps run on the event loop rather than the compute thread "
                         "(auto: all on CPU, none on CUDA)")
@@ -113,8 +110,7 @@ def build_server(args):
                        cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
                        cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
                        mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format,
-                       prefill_attention=args.prefill_attention,
-                       prefill_warmup_tokens=args.prefill_warmup_tokens)
+                       prefill_attention=args.prefill_attention)
     runner = ModelRunner(args.model_path, cfg)
     tokenizer = None
     if not args.skip_tokenizer_init:

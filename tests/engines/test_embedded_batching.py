@@ -193,64 +193,13 @@ def test_batched_prefill_of_uneven_lengths_equals_each_alone_and_bad_attention_i
         ModelRunner(str(path), RunnerConfig(device="cpu", max_total_tokens=500, prefill_attention="flash"))
 
 
-def _packed_causal_sdpa(q, k, v, cu_seqlens, max_len, scale):
-    """A packed (varlen) causal attention for CPU tests, per sequence with SDPA: the contract of
-    miles.backends.attention.varlen_causal, which needs FlashAttention on a GPU."""
-    import torch
-    import torch.nn.functional as F
-    cu = cu_seqlens.tolist()
-    assert max(b - a for a, b in zip(cu, cu[1:])) <= max_len
-    return torch.cat([F.scaled_dot_product_attention(
-        q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
-        scale=scale, enable_gqa=True).transpose(0, 1) for a, b in zip(cu, cu[1:])])
-
-
-def test_prefill_filler_tokens_change_nothing_real_and_buckets_bound_the_shapes():
-    """A prefill's packed stream padded with filler (what CUDA engines do, so matmul shapes
-    repeat) gives the real tokens the same hidden states and K/V, on both attention paths, and
-    the filler writes only the scratch slot. Buckets: at most 1/8 extra past 64 tokens."""
-    import numpy as np
-    import torch
-
-    from miles.engines.embedded_engine.model import PrefillInputs, prefill_token_bucket
-    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
-    assert [prefill_token_bucket(n) for n in (1, 64, 65, 100, 129, 1000, 4097)] == \
-        [64, 64, 72, 104, 144, 1024, 4608]
-    assert all(n <= prefill_token_bucket(n) <= max(64, n * 1.125) for n in range(1, 5000))
-    path = build_tiny_model(arch="qwen3")
-    r = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=16,
-                                            max_total_tokens=4000, context_length=128))
-    g = torch.Generator().manual_seed(5)
-    seqs = [torch.randint(1, r.shape.vocab_size, (n,), generator=g).tolist() for n in (7, 30, 3)]
-    slots = [r.kv.alloc(len(q)) for q in seqs]
-    real = torch.from_numpy(np.concatenate(slots))
-    for kernel in (None, _packed_causal_sdpa):
-        r.model.varlen, r.model.varlen_always = kernel, True
-        out = {}
-        for packed_len in (None, 72):
-            inp = PrefillInputs.build(seqs, slots, [1, 2, 3], [0, 0, 0], r.device, packed_len=packed_len)
-            assert inp.input_ids.shape[0] == (packed_len or 40) and inp.tokens == 40
-            r.kv.k[0][0].fill_(7.0)  # the scratch slot: filler may write there, nowhere else
-            hidden, _ = r.model.prefill(inp, r.kv, False)
-            out[packed_len] = (hidden[:40].clone(), r.kv.k[0][real].clone(), r.kv.v[1][real].clone())
-            if packed_len:
-                assert not (r.kv.k[0][0] == 7.0).all()  # the filler did write the scratch slot
-        for a, b in zip(out[None], out[72]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # the start-up warm-up (CUDA engines) meets every bucket once and touches only scratch
-    free = (r.kv.free_slots, r.kv.free_rows)
-    k_real = r.kv.k[0][real].clone()
-    buckets = r.warm_prefill(300)
-    assert buckets == [64, 72, 80, 88, 96, 104, 112, 120, 128]  # capped by the context length
-    assert (r.kv.free_slots, r.kv.free_rows) == free and torch.equal(r.kv.k[0][real], k_real)
-
-
 def test_auto_prefill_attention_packs_only_batches_that_padding_would_mostly_waste():
     """With a packed (varlen) kernel present, `auto` pads batches of similar lengths (one SDPA
     call per layer, the cheaper path on a GPU) and packs those where padding would more than
     double the work; `varlen_always` packs every batch. Both paths give the same logits (here the
     packed kernel is a per-sequence causal SDPA, standing in for FlashAttention on CPU)."""
     import torch
+    import torch.nn.functional as F
 
     from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
     path = build_tiny_model(arch="qwen3")
@@ -260,7 +209,12 @@ def test_auto_prefill_attention_packs_only_batches_that_padding_would_mostly_was
 
     def packed(q, k, v, cu_seqlens, max_len, scale):
         calls.append(len(cu_seqlens) - 1)
-        return _packed_causal_sdpa(q, k, v, cu_seqlens, max_len, scale)
+        cu = cu_seqlens.tolist()
+        out = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                              v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+                                              enable_gqa=True).transpose(0, 1)
+               for a, b in zip(cu, cu[1:])]
+        return torch.cat(out)
 
     g = torch.Generator().manual_seed(3)
 

@@ -279,43 +279,27 @@ def _prefill_sdpa_backends(cuda: bool):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def prefill_token_bucket(tokens: int) -> int:
-    """The packed length a CUDA prefill of `tokens` tokens is padded to: 64, then 8 steps per
-    power of two (at most 1/8 extra). Prefill batches rarely repeat a token count, and on a GPU a
-    matmul of a new shape pays a one-off set-up: bench/engine.py --prefill-shapes, 0.2B on an
-    H200, median 23.8 ms at 8 new shapes against 14.6 ms for the same shapes again."""
-    if tokens <= 64:
-        return 64
-    step = (1 << (tokens.bit_length() - 1)) // 8  # an eighth of the power of two below
-    return -(-tokens // step) * step
-
-
 @dataclass
 class PrefillInputs:
-    """Device inputs of one prefill over B fresh sequences of T tokens in all, padded to Tmax for
-    attention; the packed stream itself may carry P >= T tokens, the last P - T of them filler
-    (token 0 at position 0, written to the scratch KV slot and row, attending only to itself)."""
-    input_ids: torch.Tensor    # [P] int64, the sequences concatenated, then filler
-    positions: torch.Tensor    # [P] int64
-    slots: torch.Tensor        # [P] int64: KV slot of each token
-    cu_seqlens: torch.Tensor   # [B + 1] int32 (then P, if there is filler: one more sequence)
+    """Device inputs of one prefill over B fresh sequences of T tokens in all, padded to Tmax."""
+    input_ids: torch.Tensor    # [T] int64, the sequences concatenated
+    positions: torch.Tensor    # [T] int64
+    slots: torch.Tensor        # [T] int64: KV slot of each token
+    cu_seqlens: torch.Tensor   # [B + 1] int32: where each sequence starts, then T
     pad_index: torch.Tensor    # [B * Tmax] int64: flat token behind each padded position
-    valid_index: torch.Tensor  # [P] int64: padded position of each token (filler: 0)
-    token_rows: torch.Tensor   # [P] int64: req_to_token row of each token's request
+    valid_index: torch.Tensor  # [T] int64: padded position of each token
+    token_rows: torch.Tensor   # [T] int64: req_to_token row of each token's request
     logit_index: torch.Tensor  # [W] int64: the tokens whose logits are wanted
     batch: int
     max_len: int
-    tokens: int                # T, the real tokens
-    varlen_max_len: int        # the longest sequence of the packed stream, filler included
 
     @classmethod
     def build(cls, seqs: list[list[int]], slots: list[np.ndarray], rows: list[int],
-              logit_starts: list[int], device: torch.device, packed_len: int | None = None) -> PrefillInputs:
+              logit_starts: list[int], device: torch.device) -> PrefillInputs:
         """Every index computed on the host and moved in one transfer: the forward then runs
-        without a device sync. `packed_len` pads the packed stream with filler to that length."""
+        without a device sync."""
         lens = np.asarray([len(q) for q in seqs], dtype=np.int64)
         B, T, Tmax = len(seqs), int(lens.sum()), int(lens.max())
-        fill = max(0, (packed_len or T) - T)
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         ar = np.arange(Tmax)
         valid = ar[None, :] < lens[:, None]
@@ -327,16 +311,13 @@ class PrefillInputs:
         positions = np.concatenate([np.arange(n) for n in lens])
         logit_index = np.concatenate([np.arange(o + first, o + n)
                                       for o, n, first in zip(starts, lens, logit_starts)])
-        zeros = np.zeros(fill, dtype=np.int64)
         parts = [np.fromiter((t for q in seqs for t in q), dtype=np.int64, count=T), positions,
-                 np.concatenate(slots), np.append(starts, [T, T + fill] if fill else T), pad_index,
-                 valid_index, np.repeat(np.asarray(rows, dtype=np.int64), lens), logit_index]
-        for i in (0, 1, 2, 5, 6):  # filler: token 0, position 0, scratch slot/row, any output row
-            parts[i] = np.concatenate([parts[i], zeros])
+                 np.concatenate(slots), np.append(starts, T), pad_index, valid_index,
+                 np.repeat(np.asarray(rows, dtype=np.int64), lens), logit_index]
         dev = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
         split = list(torch.split(dev, [len(p) for p in parts]))
         split[3] = split[3].to(torch.int32)
-        return cls(*split, batch=B, max_len=Tmax, tokens=T, varlen_max_len=max(Tmax, fill))
+        return cls(*split, batch=B, max_len=Tmax)
 
 
 class Model:
@@ -463,10 +444,10 @@ class Model:
         Returns (normed hidden [T, H], routing [T, moe_layers, top_k] or None).
         """
         s = self.shape
-        B, Tmax, T = inp.batch, inp.max_len, inp.input_ids.shape[0]  # T: packed, filler included
+        B, Tmax, T = inp.batch, inp.max_len, inp.input_ids.shape[0]
         g = s.num_heads // s.num_kv_heads
         cuda = inp.input_ids.is_cuda
-        use_varlen = self.varlen is not None and (self.varlen_always or B * Tmax > VARLEN_PAD_RATIO * inp.tokens)
+        use_varlen = self.varlen is not None and (self.varlen_always or B * Tmax > VARLEN_PAD_RATIO * T)
         rope = self._rope_at(inp.positions)
         routing: list | None = [] if capture_routing else None
         x = self.weights.embed[inp.input_ids]
@@ -476,8 +457,8 @@ class Model:
                 q, k, v = self._qkv(L, h, rope)
                 kv.write(i, inp.slots, k, v)
                 if use_varlen:
-                    o = self.varlen(q.contiguous(), k.contiguous(), v.contiguous(), inp.cu_seqlens,
-                                    inp.varlen_max_len, self.scaling)
+                    o = self.varlen(q.contiguous(), k.contiguous(), v.contiguous(), inp.cu_seqlens, Tmax,
+                                    self.scaling)
                     o = o.reshape(T, s.q_size)
                 else:
                     pad = lambda t: t.index_select(0, inp.pad_index).view(B, Tmax, *t.shape[1:])  # noqa: E731

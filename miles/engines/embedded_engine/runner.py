@@ -31,15 +31,10 @@ Design decisions:
   did. Whether cuDNN planning or the masked kernel was the cost was not isolated. Measured since
   (bench/engine.py `prefill_ms`, 0.2B, H200, 32 prompts of 48 tokens): padded causal SDPA
   10.4 ms, varlen 17.6 ms, the difference being the varlen op's per-call host cost (a torch
-  custom op); at batch 8, 9.9 vs 11.0 ms.
-- A prefill at a token count not seen before paid a one-off cost in its matmuls (cuBLAS picks
-  a kernel per new shape): `bench/engine.py --prefill-shapes`, 0.2B, H200, median 23.8 ms per
-  prefill at 8 new shapes against 14.6 ms for the same shapes again, and a torch profile put
-  the difference (~7 ms per prefill) in `aten::mm` alone. RL-loop prefills are a new token
-  count nearly every time. So on CUDA the packed stream is padded with filler to a bucket of
-  its length (`prefill_token_bucket`: 64, then 8 per power of two, at most 1/8 extra) and, at
-  start-up, one dummy prefill per bucket up to `prefill_warmup_tokens` (default 4096) meets
-  every shape first; the lm_head's row count (the batch) still varies.
+  custom op); at batch 8, 9.9 vs 11.0 ms. A prefill at a shape the engine has not seen costs
+  more (`--prefill-shapes`: median 23.8 ms at 8 new shapes, 14.6 ms for the same again), which
+  is why RL-loop prefills (every batch a new shape) take 20-40 ms; padding the packed token
+  count to buckets was tried and did not remove it (23.8 / 16.5 ms), so the cause is elsewhere.
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
 """
@@ -56,7 +51,7 @@ import torch
 
 from miles.engines.embedded_engine.kv_cache import KVPool
 from miles.engines.embedded_engine.model import (DecodeInputs, Model, PrefillInputs, kv_bytes_per_token,
-                                                 next_pow2, prefill_token_bucket)
+                                                 next_pow2)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +70,6 @@ class RunnerConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
     cuda_graph_precapture_kv: int = 1024  # capture at start-up for kv buckets up to this (0: none)
-    prefill_warmup_tokens: int = 4096  # CUDA: a dummy prefill per token bucket up to this (0: none)
     mem_fraction_kv: float = 0.5     # of free device memory after weights, when max_total_tokens is unset
     load_format: str = "auto"        # "dummy": skip the checkpoint's weights (SGLang's flag)
     prefill_attention: str = "auto"  # auto | varlen (required) | sdpa
@@ -133,8 +127,6 @@ class ModelRunner:
                  "varlen" if self.model.varlen is not None else "padded sdpa")
         if self.graphs is not None and cfg.cuda_graph_precapture_kv > 0:
             self.graphs.precapture(self.kv_buckets_up_to(cfg.cuda_graph_precapture_kv))
-        if self.device.type == "cuda" and cfg.prefill_warmup_tokens > 0:
-            self.warm_prefill(cfg.prefill_warmup_tokens)
 
     def _default_pool_tokens(self, per_token: int, ctx: int) -> int:
         want = self.cfg.max_running_requests * ctx
@@ -157,9 +149,7 @@ class ModelRunner:
         """
         dev = self.device
         lens = [len(s) for s in seqs]
-        # On CUDA the packed length is bucketed so that matmul shapes repeat (see the function)
-        packed = prefill_token_bucket(sum(lens)) if dev.type == "cuda" else None
-        inp = PrefillInputs.build(seqs, slots, rows, logit_starts, dev, packed_len=packed)
+        inp = PrefillInputs.build(seqs, slots, rows, logit_starts, dev)
         self.kv.req_to_token[inp.token_rows, inp.positions] = inp.slots
         hidden, routing = self.model.prefill(inp, self.kv, capture_routing and self.shape.is_moe)
         logits = self.model.logits(hidden.index_select(0, inp.logit_index))
@@ -228,28 +218,6 @@ class ModelRunner:
 
     def kv_bucket_of(self, max_position: int) -> int:
         return min(max(MIN_KV_BUCKET, next_pow2(max_position + 1)), self.context_length)
-
-    @torch.no_grad()
-    def warm_prefill(self, limit: int) -> list[int]:
-        """One dummy prefill per token bucket up to `limit` (and the context length): a single
-        sequence written to the scratch slot and row, so every matmul shape a later prefill of
-        up to `limit` tokens uses has been met once. Returns the buckets."""
-        buckets, n = [], 1
-        while n <= min(limit, self.context_length):
-            buckets.append(prefill_token_bucket(n))
-            n = buckets[-1] + 1
-        buckets = [b for b in buckets if b <= self.context_length]
-        t = time.perf_counter()
-        for b in buckets:
-            inp = PrefillInputs.build([[0] * b], [np.zeros(b, dtype=np.int64)], [0], [b - 1], self.device)
-            self.kv.req_to_token[inp.token_rows, inp.positions] = inp.slots
-            hidden, _ = self.model.prefill(inp, self.kv, False)
-            self.model.logits(hidden.index_select(0, inp.logit_index))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        log.info("warmed prefill for %d token buckets (up to %d) in %.1f s", len(buckets),
-                 buckets[-1] if buckets else 0, time.perf_counter() - t)
-        return buckets
 
     def kv_buckets_up_to(self, limit: int) -> list[int]:
         """Every kv bucket `kv_bucket_of` can return for positions below `limit`."""
