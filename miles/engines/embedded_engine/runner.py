@@ -33,8 +33,11 @@ Design decisions:
   10.4 ms, varlen 17.6 ms, the difference being the varlen op's per-call host cost (a torch
   custom op); at batch 8, 9.9 vs 11.0 ms. A prefill at a shape the engine has not seen costs
   more (`--prefill-shapes`: median 23.8 ms at 8 new shapes, 14.6 ms for the same again), which
-  is why RL-loop prefills (every batch a new shape) take 20-40 ms; padding the packed token
-  count to buckets was tried and did not remove it (23.8 / 16.5 ms), so the cause is elsewhere.
+  is why RL-loop prefills (every batch a new shape) take 20-40 ms. A torch profile puts the
+  extra time (~7 ms per prefill) in `aten::mm`. Padding the packed token count to buckets, and
+  then also running one prefill per bucket at start-up, did not remove it (new shapes 30.8 ms,
+  the same again 20.1), so it is not the packed length's matmuls; the lm_head's row count (the
+  batch) is the remaining suspect. Both attempts were reverted.
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
 """
