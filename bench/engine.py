@@ -170,7 +170,7 @@ async def bench_engine(args, path, device) -> dict[int, float]:
     info = {"weights_bytes": server.runner.model.weights.nbytes(),
             "kv_bytes_per_token": server.runner.kv.nbytes() // server.runner.kv.num_slots,
             "cuda_graph": server.runner.use_graphs,
-            "prefill_attention": "varlen" if server.runner.model.varlen is not None else "sdpa"}
+            "prefill_attention": server.runner.prefill_attention}
     del server
     return out, info
 

@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capture every batch size's decode graph at start-up for kv lengths up to "
                         "this (0: capture each lazily, on first use)")
     p.add_argument("--prefill-attention", choices=("auto", "varlen", "sdpa"), default="auto",
-                   help="auto: FlashAttention varlen on CUDA in bf16/fp16 when it works, else sdpa "
-                        "(causal, over right-padded sequences); varlen: refuse to start without it")
+                   help="sdpa: causal SDPA over right-padded sequences; varlen: FlashAttention "
+                        "varlen (CUDA, bf16/fp16; refuse to start without it); auto: sdpa, or varlen "
+                        "where it works and padding would more than double a batch's work")
     p.add_argument("--mem-fraction-kv", type=float, default=0.5,
                    help="fraction of free device memory for the KV pool when --max-total-tokens is unset")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op CPU threads")

@@ -256,7 +256,8 @@ async def test_inline_steps_pick_which_steps_run_on_the_event_loop(mode, short_p
                                                                    decode_on_loop):
     """`inline_steps` (auto is all on CPU) puts a step's forward on the event loop's thread or the
     compute thread; a prefill longer than INLINE_MAX_TOKENS always goes to the thread (a blocked
-    loop fails health checks). A bad mode is refused, naming the field."""
+    loop fails health checks). A bad mode, or a negative prefill interval, is refused, naming the
+    field."""
     import threading
 
     from miles.engines.embedded_engine.protocol import SamplingParams
@@ -268,6 +269,9 @@ async def test_inline_steps_pick_which_steps_run_on_the_event_loop(mode, short_p
     with pytest.raises(ValueError, match="inline_steps: 'gpu' is not one of"):
         Scheduler(runner, max_running_requests=4, max_prefill_tokens=8192, weight_version="0",
                   inline_steps="gpu")
+    with pytest.raises(ValueError, match="prefill_interval: -1 must be >= 0"):
+        Scheduler(runner, max_running_requests=4, max_prefill_tokens=8192, weight_version="0",
+                  prefill_interval=-1)
     sch = Scheduler(runner, max_running_requests=4, max_prefill_tokens=8192, weight_version="0",
                     inline_steps=mode)
     seen = []

@@ -486,11 +486,13 @@ class Model:
         s = self.shape
         B = inp.input_ids.shape[0]
         g = s.num_heads // s.num_kv_heads
+        cpu = inp.input_ids.device.type == "cpu"
         segs = []
         for start, end, tk in (segments or [(0, B, kv_len_bucket)]):
             token_slots = req_to_token[inp.req_rows[start:end], :tk]              # [b, Tk]
             key_mask = torch.arange(tk, device=inp.input_ids.device)[None, :] < inp.seq_lens[start:end, None]
-            bias = torch.zeros(key_mask.shape, device=key_mask.device, dtype=torch.float)
+            # CPU: SDPA's mask in the activation dtype; CUDA: added to the fp32 scores below
+            bias = torch.zeros(key_mask.shape, device=key_mask.device, dtype=self.dtype if cpu else torch.float)
             bias = bias.masked_fill(~key_mask, float("-inf"))[:, None, None, :]  # [b, 1, 1, Tk]
             segs.append((start, end, token_slots, bias))
         routing: list | None = [] if capture_routing else None
@@ -503,10 +505,10 @@ class Model:
             outs = []
             for start, end, token_slots, bias in segs:
                 keys, values = kv.gather(i, token_slots)                     # [b, Tk, kvh, d]
-                if keys.device.type == "cpu":
+                if cpu:
                     qh = q[start:end].view(end - start, s.num_heads, 1, s.head_dim)
                     o_seg = F.scaled_dot_product_attention(
-                        qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias.to(qh.dtype),
+                        qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias,
                         scale=self.scaling, enable_gqa=g > 1)
                     outs.append(o_seg.reshape(end - start, s.q_size))
                     continue

@@ -126,10 +126,16 @@ class ModelRunner:
                              f"(CUDA, bf16/fp16); none on {self.device} in {cfg.dtype}")
         log.info("embedded engine: %s %s on %s, KV pool %d tokens (%.1f MiB), cuda graphs %s, "
                  "prefill attention %s", self.shape.model_type, cfg.dtype, self.device, total,
-                 self.kv.nbytes() / 2**20, self.use_graphs,
-                 "varlen" if self.model.varlen is not None else "padded sdpa")
+                 self.kv.nbytes() / 2**20, self.use_graphs, self.prefill_attention)
         if self.graphs is not None and cfg.cuda_graph_precapture_kv > 0:
             self.graphs.precapture(self.kv_buckets_up_to(cfg.cuda_graph_precapture_kv))
+
+    @property
+    def prefill_attention(self) -> str:
+        """The prefill attention in use, in words (auto decides per batch)."""
+        if self.model.varlen is None:
+            return "sdpa (padded)"
+        return "varlen" if self.model.varlen_always else "auto (padded sdpa; varlen if padding > 2x)"
 
     def _default_pool_tokens(self, per_token: int, ctx: int) -> int:
         want = self.cfg.max_running_requests * ctx

@@ -66,7 +66,7 @@ from miles.engines.embedded_engine.sampling import SamplingBatch, device_uniform
 
 log = logging.getLogger(__name__)
 
-INLINE_MAX_TOKENS = 2048  # a CPU step over more tokens runs on the compute thread (see above)
+INLINE_MAX_TOKENS = 2048  # a step over more tokens runs on the compute thread even if inline (see above)
 INLINE_MODES = ("auto", "all", "prefill", "none")
 
 
@@ -155,6 +155,8 @@ class Scheduler:
                       "aborted": 0, "retractions": 0}
         self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
         self.stats_interval_s = stats_interval_s
+        if prefill_interval < 0:
+            raise ValueError(f"prefill_interval: {prefill_interval} must be >= 0 (0: prefill arrivals at once)")
         self.prefill_interval = prefill_interval
         # Which steps' forward and sampling run on the event loop itself (see the docstring)
         if inline_steps not in INLINE_MODES:
