@@ -194,6 +194,12 @@ class Sample(Message):
     def prompt_length(self) -> int:
         return int(len(self.tokens)) - self.response_length
 
+    def scalar_reward(self, key: str = "") -> float:
+        """The one reward accessor (buffer filter, loop logging, evaluator, trainer): a number
+        as it is, None as 0.0, a dict's entry `key` (`train.reward_key`). A dict without a key
+        is an error naming its keys: guessing which entry counts is a silent bug."""
+        return scalar_reward(self.reward, key)
+
     @property
     def response_ids(self) -> np.ndarray:
         return self.tokens[self.prompt_length:]
@@ -213,6 +219,21 @@ class Sample(Message):
             if not 0 <= span.start <= span.end <= self.response_length:
                 raise ValueError(f"Sample.weight_versions: span {span} outside the response "
                                  f"[0, {self.response_length})")
+
+
+def scalar_reward(reward: float | dict[str, float] | None, key: str = "") -> float:
+    """See `Sample.scalar_reward`."""
+    if reward is None:
+        return 0.0
+    if not isinstance(reward, dict):
+        return float(reward)
+    if not key:
+        raise ValueError(f"reward is a dict with keys {sorted(reward)}; set train.reward_key to "
+                         f"the entry to train on")
+    if key not in reward:
+        raise ValueError(f"train.reward_key = {key!r}: the reward dict has no such key "
+                         f"(keys {sorted(reward)})")
+    return float(reward[key])
 
 
 class SampleBatch(Message):
