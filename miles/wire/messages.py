@@ -339,6 +339,10 @@ class TrainResult(Message):
 
 class PublishWeights(Message):
     version: int
+    # Non-empty: the engine set to publish to (from the fleet's EngineSet.engine_urls +
+    # pending_urls). When it differs from the set the transport is connected to, every trainer
+    # rank reconnects its transport first. Empty: the set connected at start.
+    engine_urls: list[str] = []
 
 
 class SaveCheckpoint(Message):
@@ -361,9 +365,19 @@ class GetEngines(Message):
 
 class EngineSet(Message):
     gateway_url: str
-    engine_urls: list[str]
+    engine_urls: list[str]          # engines serving traffic (in the gateway)
     model_path: str
     version: int = 0
+    generation: int = 0             # bumped by the fleet on every change of the engine set
+    pending_urls: list[str] = []    # (re)started engines waiting for the current weights; not
+                                    # in the gateway until the driver says EnginesUpdated
+
+
+class EnginesUpdated(Message):
+    """Driver -> fleet: the trainers published `version` to every engine of `generation`
+    (serving + pending); the fleet may now put the pending ones into the gateway."""
+    generation: int
+    version: int
 
 
 class Evaluate(Message):
