@@ -254,6 +254,14 @@ class Group(Message):
 class Reserve(Message):
     """Rollout -> buffer: may I start a new group? Answered when admission allows it."""
     timeout_s: float = 0.0          # 0: wait as long as it takes
+    # The prompt the group is for, read before asking, and the data source's state() after
+    # reading it: the buffer journals them, so a restarted rollout worker reads on from there.
+    prompt_index: int = -1          # -1: not said (the slot stays "reserved" until its put)
+    attempt: int = 0
+    data_state: dict[str, Any] | None = None   # None: the prompt was not read from the source
+    replay: list[int] = []          # checkpoint-replay prompts still to generate after this one
+    request_id: str = ""            # a re-sent Reserve with the same id gets the same slot
+    owner: int = -1                 # the rollout worker's incarnation (-1: not said)
 
 
 class Reservation(Message):
