@@ -273,6 +273,7 @@ class Reservation(Message):
 class PutGroup(Message):
     group: Group
     slot: int
+    owner: int = -1                 # the rollout incarnation that generated it (-1: not said)
 
 
 class PutReply(Message):
