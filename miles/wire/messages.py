@@ -290,6 +290,14 @@ class ReleaseSlot(Message):
 class GetBatch(Message):
     n_groups: int
     timeout_s: float = 0.0
+    # Non-empty: two-phase. The groups stay the buffer's (journalled, "out") until ConfirmBatch;
+    # a re-sent GetBatch with the same id (after the buffer restarted) gets the same groups.
+    request_id: str = ""
+
+
+class ConfirmBatch(Message):
+    """Driver -> buffer: the batch of `request_id` is trained; its groups may be forgotten."""
+    request_id: str
 
 
 class Batch(Message):
