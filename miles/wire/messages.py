@@ -341,6 +341,31 @@ class GetRolloutState(Message):
     pass
 
 
+class NoteRolloutStart(Message):
+    """Rollout -> buffer, on StartRollout: the state it starts from (journalled for a restart)."""
+    data_state: dict[str, Any] = {}
+    replay: list[int] = []
+    owner: int = 0
+
+
+class GetRolloutResume(Message):
+    """A restarted rollout worker -> buffer: where do I continue? Makes `owner` the slots' owner."""
+    owner: int
+
+
+class OrphanSlot(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    slot: int
+    prompt_index: int
+    attempt: int = 0
+
+
+class RolloutResume(Message):
+    started: bool                   # False: no StartRollout was journalled yet (wait for one)
+    data_state: dict[str, Any] = {}
+    replay: list[int] = []
+    orphans: list[OrphanSlot] = []  # slots of the dead incarnation to generate again, in place
+
+
 class PauseAdmission(Message):
     paused: bool
 
