@@ -63,6 +63,8 @@ class RolloutConfig(Section):
     reward_batched: bool = False      # call the reward once per group with all its samples
     max_retries: int = 2              # per group, for failed samples / retry decisions
     request_timeout_s: float = 600.0
+    engine_retry_s: float = 60.0      # per request: retry transient engine/gateway errors with
+                                      # back-off (0.2 s doubling to 5 s) for up to this long
     worker: str = "miles.actors.rollout:RolloutWorker"
 
 
@@ -71,6 +73,9 @@ class BufferConfig(Section):
     filter: str = "none"              # "none" | "nonzero_std" | "module:function"
     policy: str = ""                  # "module:Class" subclassing miles.actors.buffer.BufferPolicy
     stale_action: Literal["retry", "drop"] = "retry"
+    journal: bool = True              # journal accepted groups and slots under <output_dir>/buffer/
+                                      # so a restarted buffer loses nothing it accepted
+    journal_compact_records: int = 2000  # rewrite the journal as one snapshot after this many records
 
 
 class EngineConfig(Section):
