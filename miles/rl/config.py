@@ -91,7 +91,9 @@ class EngineConfig(Section):
     gateway_policy: str = "manual"
     start_timeout_s: float = 600.0
     health_interval_s: float = 2.0
-    max_restarts: int = 3
+    max_restarts: int = 3             # quick deaths in a row before an engine (or smg) is given up
+    restart_window_s: float = 60.0    # a death this soon after becoming ready counts as quick; a
+                                      # longer life starts the count again (crash loops, not kills)
 
 
 class EvalConfig(Section):
@@ -101,6 +103,7 @@ class EvalConfig(Section):
     max_new_tokens: int = 0           # 0: rollout.max_new_tokens
     command: str = ""                 # external mode: run with {checkpoint} and {step} filled in
     timeout_s: float = 600.0
+    max_concurrency: int = 32         # eval requests in flight at once (shared and fleet modes)
 
 
 class SFTConfig(Section):
