@@ -23,8 +23,11 @@ Design decisions (details in miles/engines/embedded_engine/*):
   Llama; fp32/bf16; CPU/CUDA) whose fp32 logits match transformers within 1e-5 (model.py), a
   token-slot KV pool (kv_cache.py), continuous batching with retraction (scheduler.py), seeded
   per-request sampling (sampling.py), CUDA graphs for dense decode (runner.py).
-- Logprobs are `log_softmax` of the raw logits (temperature 1, before top-k/top-p/min-p and
-  masking) of the forward the token was sampled from (sampling.py explains why).
+- Logprobs are `log_softmax(logits / temperature)` (the temperature-scaled distribution,
+  before top-k/top-p/min-p and masking; temperature 1 for greedy requests) of the forward the
+  token was sampled from: what the trainer recomputes at `train.temperature`. The SGLang launcher
+  makes SGLang report the same (sampling.py and sglang.py explain why). Prompt logprobs
+  (`logprob_start_len`) are temperature 1, as SGLang's are.
 - Weight updates: `/update_weights_from_disk`, `/update_weights_from_tensor` (base64 safetensors,
   never pickle), `/init_weights_update_group` + `/update_weights_from_distributed` (gloo on CPU,
   NCCL on CUDA; the trainer's rank 0 broadcasts; `load_format: "flattened_bucket"` receives one

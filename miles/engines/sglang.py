@@ -19,12 +19,21 @@ Design decisions:
   (tests/engines/test_sglang.py). SGLang is not importable on CPU machines, so nothing here
   imports it; a bad passthrough flag
   fails in SGLang's own argparse and the launch error quotes its log.
+- One log-prob convention for both engines (embedded_engine/sampling.py): rollout log-probs are
+  of the temperature-scaled distribution before top-k/top-p/min-p truncation, what the trainer
+  recomputes at `train.temperature`. SGLang's sampler does that unless
+  `SGLANG_RETURN_ORIGINAL_LOGPROB` is true, in which case it reports temperature-1 log-probs (it
+  reads the switch once at import, `sglang/srt/layers/sampler.py`; greedy batches always report
+  temperature 1). So every launch sets the switch to false in the child's environment, whatever
+  the caller's environment holds: a stray export must not make the TIS / rollout-logprob ratios
+  silently wrong on a cluster only.
 - Lifecycle (own process group, health wait with log tail, SIGTERM then SIGKILL) is
   `procs.ServerProcess`; this file only builds the command line.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +44,9 @@ import msgspec
 from miles.engines.procs import ServerProcess, table_to_flags
 
 SGLANG_VERSION = "0.5.23"
+
+# Set in every SGLang child's environment (the log-prob convention above).
+LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
 
 # Passthrough keys that would override a flag we set (and their aliases in SGLang's CLI).
 _OWNED_KEYS = {
@@ -101,6 +113,11 @@ def build_command(args: SGLangServerArgs, *, python: str = sys.executable) -> li
     return [python, "-m", "sglang.launch_server", *server_flags(args)]
 
 
+def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: `env` (default: ours) with the log-prob switch forced off."""
+    return {**(os.environ if env is None else env), **LOGPROB_ENV}
+
+
 def server_flags(args: SGLangServerArgs) -> list[str]:
     """The flags after the launcher: ours first, then the passthrough."""
     cmd = ["--model-path", args.model_path, "--host", args.host, "--port", str(args.port),
@@ -140,7 +157,7 @@ class SGLangServer:
         self.args = args
         launcher = launcher or [python, "-m", "sglang.launch_server"]
         cmd = [*launcher, *server_flags(args)]
-        self.process = ServerProcess(f"sglang-{args.port}", cmd, env=env, log_path=log_path)
+        self.process = ServerProcess(f"sglang-{args.port}", cmd, env=server_env(env), log_path=log_path)
 
     @property
     def url(self) -> str:

@@ -33,12 +33,13 @@ def engines(tmp_path_factory):
         e.stop()
 
 
-def hf_reference(path, tokens: list[int]):
-    """Full-sequence HF forward: (log_softmax [T, V], router top-k ids per layer or None)."""
+def hf_reference(path, tokens: list[int], temperature: float = 1.0):
+    """Full-sequence HF forward: (log_softmax(logits / temperature) [T, V], router top-k ids per
+    layer or None)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(torch.tensor([tokens]), output_router_logits=model.config.model_type == "qwen3_moe")
-    logp = out.logits[0].float().log_softmax(-1)
+    logp = (out.logits[0].float() / temperature).log_softmax(-1)
     routing = None
     if getattr(out, "router_logits", None):
         k = model.config.num_experts_per_tok
@@ -47,9 +48,11 @@ def hf_reference(path, tokens: list[int]):
     return logp, routing
 
 
-def check_against_hf(path, prompt, res):
+def check_against_hf(path, prompt, res, temperature: float = 1.0):
+    """Output logprobs follow the convention (sampling.py): the temperature-scaled distribution,
+    before truncation; temperature 0 (greedy) reports temperature 1."""
     tokens = prompt + res.output_ids
-    logp, routing = hf_reference(path, tokens)
+    logp, routing = hf_reference(path, tokens, temperature or 1.0)
     P = len(prompt)
     ref = logp[P - 1:-1].gather(1, torch.tensor(res.output_ids)[:, None])[:, 0].numpy()
     got = np.asarray(res.output_logprobs)
@@ -72,7 +75,7 @@ async def test_logprobs_match_hf_forward(engines, arch):
                                          for p, sp in zip(PROMPTS, params)))
     for prompt, sp, res in zip(PROMPTS, params, results):
         assert len(res.output_ids) == sp["max_new_tokens"] and res.finish_reason.type == "length"
-        _, routing = check_against_hf(path, prompt, res)
+        _, routing = check_against_hf(path, prompt, res, sp["temperature"])
         if arch == "qwen3_moe":
             n = len(prompt) + len(res.output_ids) - 1
             assert res.routed_experts.shape == (n, 2, 2)  # (tokens-1, layers, top_k)
@@ -96,6 +99,31 @@ async def test_logprobs_when_one_batch_spans_kv_buckets(engines, arch):
         _, routing = check_against_hf(path, prompt, res)
         if arch == "qwen3_moe":
             assert (res.routed_experts == routing[:len(prompt) + 9]).all()
+
+
+async def test_logprobs_are_of_the_temperature_scaled_distribution(engines):
+    """At temperature 0.7 the engine reports log_softmax(hf_logits / 0.7), truncated or not, with
+    top logprobs of the same distribution; the raw (temperature-1) values would be off by far more
+    than the tolerance."""
+    path, url = engines["qwen3"]
+    prompt = PROMPTS[2]
+    params = [{"max_new_tokens": 10, "temperature": 0.7, "sampling_seed": 11, "ignore_eos": True},
+              {"max_new_tokens": 10, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "min_p": 0.05,
+               "sampling_seed": 12, "ignore_eos": True},
+              {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}]
+    async with EngineClient(url) as c:  # one batch: rows of different temperatures side by side
+        results = await asyncio.gather(*(c.generate(prompt, sp, return_logprob=True, top_logprobs_num=5)
+                                         for sp in params))
+    for sp, res in zip(params, results):
+        logp, _ = check_against_hf(path, prompt, res, sp["temperature"])
+        P = len(prompt)
+        for i, top in enumerate(res.output_top_logprobs):
+            ref = torch.topk(logp[P - 1 + i], 5)
+            assert [t for _, t in top] == ref.indices.tolist()
+            assert np.abs(np.asarray([lp for lp, _ in top]) - ref.values.numpy()).max() <= TOL
+    raw, _ = hf_reference(path, prompt + results[0].output_ids, 1.0)
+    raw_lp = raw[len(prompt) - 1:-1].gather(1, torch.tensor(results[0].output_ids)[:, None])[:, 0].numpy()
+    assert np.abs(raw_lp - np.asarray(results[0].output_logprobs)).max() > 100 * TOL
 
 
 async def test_prompt_logprobs_and_routed_start(engines):

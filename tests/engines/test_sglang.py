@@ -119,3 +119,21 @@ def test_every_flag_we_emit_exists_in_the_pinned_sglang(sglang_wheel):
     # Sanity: the deprecated DP-attention flag is gone from fields but kept by hand; a made-up
     # flag is not accepted.
     assert "--enable-dp-attention" in known and "--no-such-flag" not in known
+
+
+@pytest.mark.parametrize("inherited", [None, "1", "true", "false"])
+def test_launch_env_forces_temperature_scaled_logprobs(monkeypatch, inherited):
+    """SGLang reports temperature-1 log-probs when SGLANG_RETURN_ORIGINAL_LOGPROB is true; the
+    launcher turns it off in the child whatever the caller's environment or `env=` holds."""
+    from miles.engines.sglang import SGLangServer
+    if inherited is None:
+        monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", inherited)
+    monkeypatch.setenv("MILES_TEST_KEEP", "kept")
+    args = SGLangServerArgs(model_path="m", port=1234)
+    inherited_env = SGLangServer(args).process.env
+    assert inherited_env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"
+    assert inherited_env["MILES_TEST_KEEP"] == "kept"
+    given = SGLangServer(args, env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", "A": "b"}).process.env
+    assert given == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "A": "b"}

@@ -122,3 +122,13 @@ async def test_child_dies_with_a_sigkilled_parent():
             break
         await asyncio.sleep(0.1)
     assert _gone(child_pid), "the server outlived its SIGKILLed parent"
+
+
+async def test_the_child_sees_the_logprob_switch_off(monkeypatch):
+    """The real child process's environment, not just the launcher's dict."""
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    show = ("import os, sys; print('SWITCH=' + os.environ['SGLANG_RETURN_ORIGINAL_LOGPROB'], "
+            "flush=True); sys.exit(3)")
+    with pytest.raises(ServerStartError, match=r"SWITCH=false"):
+        await launch_sglang(SGLangServerArgs(model_path="m", port=free_port()),
+                            launcher=[sys.executable, "-c", show], timeout_s=60)

@@ -1,11 +1,16 @@
 """Batched sampling with per-request parameters and per-request seeded randomness.
 
 Design decisions:
-- Logprob convention: the logprob reported for a token is `log_softmax(raw_logits)[token]`, i.e.
-  the model's unmodified distribution at temperature 1, before temperature, top-k, top-p, min-p,
-  logit_bias and min_new_tokens masking. That is the behaviour policy when an RL run samples at
-  temperature 1 with no truncation (the usual setting) and what a trainer's forward recomputes.
-  It is computed from the very logits the token was sampled from (same forward, same step).
+- Logprob convention (one for both engines, see miles/engines/sglang.py): the logprob reported
+  for a token is `log_softmax(raw_logits / T)[token]`, the temperature-scaled distribution before
+  top-k, top-p, min-p, logit_bias and min_new_tokens masking. That is what the trainer recomputes
+  (`log_softmax(logits / train.temperature)`, miles/backends/logprobs.py) and what the importance
+  ratios need; SGLang returns the same unless `SGLANG_RETURN_ORIGINAL_LOGPROB` is set (its
+  truncation and penalties happen after that point, logit_bias before it; RL recipes use none).
+  Greedy rows (T == 0) report temperature-1 logprobs, as SGLang does (it turns T = 0 into T = 1
+  with top_k = 1). `top_k == 1` with T > 0 is greedy sampling too, but reports the scaled
+  distribution: it is what a trainer at that temperature recomputes. Top logprobs use the same
+  distribution. It is computed from the very logits the token was sampled from (same forward).
 - Randomness is inverse-CDF sampling with one uniform per (request, step) drawn from a counter-based
   hash of (sampling_seed, output position) on the host. So a request's tokens depend only on its
   own seed and logits, never on which other requests share the batch, and a retracted request
@@ -56,7 +61,7 @@ class SamplingBatch:
 @dataclass
 class SampleOut:
     tokens: torch.Tensor      # [B] int64
-    logprobs: torch.Tensor    # [B] fp32, raw-distribution logprob of the token
+    logprobs: torch.Tensor    # [B] fp32, logprob of the token at its row's temperature
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
@@ -81,8 +86,14 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, uniforms: torch.Tensor | Non
     computed here."""
     B, V = logits.shape
     dev = logits.device
+    temps = np.asarray(sb.temperatures, dtype=np.float32)
+    # The logprob distribution (convention above): logits / T, T = 1 for greedy rows. All-1 (the
+    # usual RL setting) costs nothing; otherwise one [B, V] division, shared with the sampler below.
+    lp_temps = np.where(temps > 0.0, temps, np.float32(1.0))
+    lp_logits = logits if (lp_temps == 1.0).all() else \
+        logits / torch.from_numpy(lp_temps).to(dev)[:, None]
     # log_softmax(x)[t] = x[t] - logsumexp(x): one reduction instead of a [B, V] write.
-    lse = torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(lp_logits, dim=-1)
     proc = logits
     if sb.banned or sb.biases:
         proc = logits.clone()
@@ -93,7 +104,6 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, uniforms: torch.Tensor | Non
         if sb.banned:
             r, t = zip(*sb.banned)
             proc[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
-    temps = np.asarray(sb.temperatures, dtype=np.float32)
     greedy = (temps <= 0.0) | (np.asarray(sb.top_ks) == 1)
     sampled = np.nonzero(~greedy)[0]
     tokens = torch.argmax(proc, dim=-1) if greedy.any() else None
@@ -101,9 +111,12 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, uniforms: torch.Tensor | Non
         u = uniforms if uniforms is not None else device_uniforms(sb, dev)
         every_row = len(sampled) == B
         rows = None if every_row else torch.from_numpy(sampled).to(dev)
-        scaled = proc if every_row else proc[rows]
-        if not (temps[sampled] == 1.0).all():
-            scaled = scaled / torch.from_numpy(temps[sampled]).to(dev)[:, None]
+        if proc is logits:  # sampled rows have T > 0, so their lp_logits rows are logits / T
+            scaled = lp_logits if every_row else lp_logits[rows]
+        else:
+            scaled = proc if every_row else proc[rows]
+            if not (temps[sampled] == 1.0).all():
+                scaled = scaled / torch.from_numpy(temps[sampled]).to(dev)[:, None]
         top_ps = np.asarray(sb.top_ps, dtype=np.float32)[sampled]
         top_ks = np.minimum(np.asarray(sb.top_ks, dtype=np.int64)[sampled], V)
         min_ps = np.asarray(sb.min_ps, dtype=np.float32)[sampled]
@@ -121,10 +134,10 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, uniforms: torch.Tensor | Non
             picked[idx] = _sample_truncated(scaled[idx], u[idx], top_ps[trunc], top_ks[trunc],
                                             min_ps[trunc])
         tokens = picked if every_row else tokens.index_copy(0, rows, picked)
-    logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse
+    logprobs = lp_logits.gather(1, tokens[:, None])[:, 0] - lse
     out = SampleOut(tokens=tokens, logprobs=logprobs)
     if sb.top_logprobs_num > 0:
-        top_logits, out.top_ids = torch.topk(logits, min(sb.top_logprobs_num, V), dim=-1)
+        top_logits, out.top_ids = torch.topk(lp_logits, min(sb.top_logprobs_num, V), dim=-1)
         out.top_logprobs = top_logits - lse[:, None]
     return out
 
