@@ -1,0 +1,73 @@
+"""A fleet that cannot start says so at once: every `GetEngines` waiter gets the error (naming the
+process, its command and its log's last lines), and the fleet's `run()` returns 1 so its host
+process exits non-zero. Real engine and smg processes, real sockets, 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from miles.actors.base import RemoteError, Runtime
+from miles.actors.engines import EngineFleet
+from miles.config import Recipe, RunConfig
+from miles.rl.config import EngineConfig, ModelConfig
+from miles.wire.messages import GetEngines
+
+
+async def _start_fleet(tmp_path, model_path: str, **engine):
+    recipe = Recipe(run=RunConfig(output_dir=str(tmp_path / "run")),
+                    model=ModelConfig(path=model_path),
+                    engine=EngineConfig(start_timeout_s=120.0, health_interval_s=0.5, **engine))
+    fleet = EngineFleet()
+    fleet.recipe = recipe
+    runtime = Runtime()
+    await fleet.start(runtime)
+    return fleet, runtime, runtime.ref_at(fleet.server.endpoint, "engines")
+
+
+async def _expect_start_failure(tmp_path, model_path, *, within_s: float, **engine) -> str:
+    fleet, runtime, ref = await _start_fleet(tmp_path, model_path, **engine)
+    t0 = time.monotonic()
+    try:
+        run = asyncio.ensure_future(fleet.run())
+        waiters = [ref.call(GetEngines(), timeout_s=600) for _ in range(2)]
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+        elapsed = time.monotonic() - t0
+        assert all(isinstance(r, RemoteError) for r in results), results
+        assert str(results[0]) == str(results[1])
+        assert elapsed < within_s, f"the error took {elapsed:.1f} s"
+        assert await asyncio.wait_for(run, 10) == 1
+        late = await asyncio.gather(ref.call(GetEngines(), timeout_s=5), return_exceptions=True)
+        assert isinstance(late[0], RemoteError), "a waiter that comes later gets the error too"
+        return str(results[0])
+    finally:
+        await fleet.close()
+        runtime.close()
+
+
+async def test_missing_model_path_fails_every_waiter_at_once(tmp_path):
+    message = await _expect_start_failure(tmp_path, str(tmp_path / "no-such-model"), within_s=60)
+    assert "FleetError" in message and "engine 0 did not start" in message
+    assert "miles.engines.embedded" in message  # the command
+    assert "no-such-model" in message           # from the log's last lines
+
+
+async def test_unsupported_dtype_fails_every_waiter_at_once(tmp_path, tiny_qwen3):
+    message = await _expect_start_failure(tmp_path, str(tiny_qwen3), dtype="float8", within_s=30)
+    assert "engine 0 did not start" in message
+    assert "--dtype float8" in message                 # the command
+    assert "invalid choice: 'float8'" in message       # argparse's refusal, from the log
+
+
+async def test_smg_that_cannot_import_fails_every_waiter_at_once(tmp_path, tiny_qwen3, monkeypatch):
+    # smg's launcher imports setproctitle; a PYTHONPATH entry that makes that import fail is the
+    # "missing Python module in smg" seen in the field (the engines do not import it).
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "setproctitle.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'setproctitle'\", name='setproctitle')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow))
+    message = await _expect_start_failure(tmp_path, str(tiny_qwen3), within_s=90)
+    assert "the gateway (smg) did not start" in message
+    assert "-m smg launch" in message                       # the command
+    assert "No module named 'setproctitle'" in message      # from its log
