@@ -10,7 +10,16 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--cuda-graph-precapture-kv N] [--prefill-interval-steps N] [--log-stats-interval-s S] \
         [--prefill-attention auto|varlen|sdpa] [--load-format auto|safetensors|dummy] \
         [--inline-steps auto|all|prefill|none] \
+        [--max-n 64] [--max-batch-size 1024] [--max-top-logprobs-num 64] \
+        [--max-prompt-logprob-tokens 4096] [--max-stop 64] \
         [--mem-fraction-kv F] [--log-level info]
+
+The `--max-*` limits bound what one `/generate` call may ask for (a 400 naming the field, the
+value and the limit, before any work): `--max-n` samples per prompt, `--max-batch-size` requests
+per call (prompts x n), `--max-top-logprobs-num` top logprobs per position,
+`--max-prompt-logprob-tokens` prompt positions with logprobs, `--max-stop` entries of `stop`,
+`stop_token_ids` and `logit_bias`. Token counts are bounded by the context length and the KV
+pool (embedded_engine/server.py).
 
 It is ready when `GET /health` answers 200 (the port opens only after the model is loaded). smg
 registers it like an SGLang worker (`/server_info`, `/model_info`, `/v1/models`, `dp_size: 1`).
@@ -47,6 +56,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inline-steps", choices=("auto", "all", "prefill", "none"), default="auto",
                    help="which steps run on the event loop rather than the compute thread "
                         "(auto: all on CPU, none on CUDA)")
+    limits = p.add_argument_group("request limits (per /generate call; over one is a 400)")
+    limits.add_argument("--max-n", type=_positive_int, default=64, help="sampling_params.n")
+    limits.add_argument("--max-batch-size", type=_positive_int, default=1024,
+                        help="requests one call fans out to: prompts x n")
+    limits.add_argument("--max-top-logprobs-num", type=_positive_int, default=64, help="top_logprobs_num")
+    limits.add_argument("--max-prompt-logprob-tokens", type=_positive_int, default=4096,
+                        help="prompt positions with logprobs (logprob_start_len); each costs a "
+                             "vocabulary-wide fp32 logits row")
+    limits.add_argument("--max-stop", type=_positive_int, default=64,
+                        help="entries of stop, of stop_token_ids and of logit_bias (each is "
+                             "matched or applied on every decode step)")
     p.add_argument("--log-stats-interval-s", type=float, default=30.0,
                    help="an INFO line of decode/prefill/pause time and tokens/s this often (0: never)")
     return p

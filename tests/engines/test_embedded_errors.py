@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import time
+
 import aiohttp
+import psutil
 import pytest
 
 from miles.engines.client import EngineClient
@@ -12,16 +15,23 @@ from miles.engines.embedded import launch_embedded_engine
 from miles.tiny import build_tiny_model
 
 ARGS = ["--torch-threads", "1", "--random-seed", "0", "--log-level", "warning",
-        "--max-total-tokens", "3000", "--context-length", "256"]
+        "--max-total-tokens", "3000", "--context-length", "256",
+        "--max-n", "8", "--max-batch-size", "16", "--max-top-logprobs-num", "5",
+        "--max-prompt-logprob-tokens", "32", "--max-stop", "4"]
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def engine(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     engine = asyncio.run(launch_embedded_engine(build_tiny_model(arch="qwen3"), extra_args=ARGS,
                                                 log_path=log))
-    yield engine.url
+    yield engine
     engine.stop(grace_s=2)
+
+
+@pytest.fixture
+def url(engine):
+    return engine.url
 
 
 BAD_GENERATE = [
@@ -44,12 +54,37 @@ BAD_GENERATE = [
     ({"input_ids": [1], "return_routed_experts": True}, "--enable-return-routed-experts"),
     ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len: 5"),
     ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params: 1 entries for 2 prompts"),
+    # bounds: field, value and limit in the message
+    ({"input_ids": [1] * 200, "sampling_params": {"max_new_tokens": 100}},
+     "sampling_params.max_new_tokens: 100: Requested token count exceeds the model's maximum context "
+     "length of 256 tokens. You requested a total of 300 tokens: 200 tokens from the input messages "
+     "and 100 tokens for the completion"),
+    ({"input_ids": [1], "sampling_params": {"n": 1000000}},
+     "sampling_params.n: 1000000 exceeds the server's limit of 8 (--max-n)"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}, {"n": 9}]},
+     "sampling_params[1].n: 9 exceeds the server's limit of 8 (--max-n)"),
+    ({"input_ids": [[1]] * 17}, "input_ids: 17 prompts exceeds the server's limit of 16 (--max-batch-size)"),
+    ({"text": ["a"] * 17}, "text: 17 prompts exceeds the server's limit of 16"),
+    ({"input_ids": [[1]] * 3, "sampling_params": {"n": 6}},
+     "sampling_params.n: 18 requests (3 prompts x n) exceeds the server's limit of 16 (--max-batch-size)"),
+    ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 6},
+     "top_logprobs_num: 6 is outside [0, 5] (--max-top-logprobs-num)"),
+    ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num: -1"),
+    ({"input_ids": [1] * 40, "return_logprob": True, "logprob_start_len": 0},
+     "logprob_start_len: 0 asks for logprobs of 40 prompt tokens, which exceeds the server's limit "
+     "of 32 (--max-prompt-logprob-tokens)"),
+    ({"input_ids": [1], "sampling_params": {"stop": ["a", "b", "c", "d", "e"]}},
+     "sampling_params.stop: 5 entries exceeds the server's limit of 4 (--max-stop)"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 2, 3, 4, 5]}},
+     "sampling_params.stop_token_ids: 5 entries"),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {str(t): 1.0 for t in range(5)}}},
+     "sampling_params.logit_bias: 5 entries"),
 ]
 
 
 async def test_bad_requests_are_400_and_the_engine_keeps_serving(url):
     async with EngineClient(url) as c, aiohttp.ClientSession() as s:
-        long_run = asyncio.create_task(c.generate([4, 5, 6], {"max_new_tokens": 120, "ignore_eos": True}))
+        long_run = asyncio.create_task(c.generate([4, 5, 6], {"max_new_tokens": 250, "ignore_eos": True}))
         for body, expected in BAD_GENERATE:
             async with s.post(url + "/generate", json=body) as r:
                 err = await r.json()
@@ -71,9 +106,31 @@ async def test_bad_requests_are_400_and_the_engine_keeps_serving(url):
                 assert r.status == 400 and expected in text, (path, text)
         assert not long_run.done()
         done = await long_run
-        assert len(done.output_ids) == 120 and done.finish_reason.type == "length"
+        assert len(done.output_ids) == 250 and done.finish_reason.type == "length"
         again = await c.generate([1, 2, 3], {"max_new_tokens": 2})
         assert len(again.output_ids) == 2
+
+
+async def test_a_huge_fan_out_is_refused_at_once_and_costs_nothing(engine):
+    """Issue 15 item 12: one 60-byte body with n = 1000000 made the engine unusable for 78 s and
+    took 5 GB. Now it is a 400 within milliseconds, and health checks and real requests go on."""
+    url, proc = engine.url, psutil.Process(engine.process.pid)
+    rss_before = proc.memory_info().rss
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        t0 = time.monotonic()
+        for body in ({"input_ids": [1, 2, 3], "sampling_params": {"n": 1000000, "max_new_tokens": 1}},
+                     {"input_ids": [[1, 2, 3]] * 10000}):
+            async with s.post(url + "/generate", json=body) as r:
+                assert r.status == 400 and "exceeds the server's limit" in (await r.json())["error"]["message"]
+        assert time.monotonic() - t0 < 2.0
+        async with s.get(url + "/health_generate") as r:
+            assert r.status == 200
+        assert proc.memory_info().rss - rss_before < 200 << 20
+        # at the limits themselves a call is served: 2 prompts x n = 8 is 16 requests
+        body = {"input_ids": [[1, 2], [3, 4]], "sampling_params": {"max_new_tokens": 2, "n": 8}}
+        async with s.post(url + "/generate", json=body) as r:
+            out = await r.json()
+            assert r.status == 200 and len(out) == 16 and all(len(o["output_ids"]) == 2 for o in out)
 
 
 async def test_duplicate_rid_is_refused(url):

@@ -8,6 +8,10 @@ Design decisions:
   search) are *known* keys: a non-default value gets a 400 that says so, never a silent no-op.
 - Every error names the field and the value; the server turns `BadRequest` into
   `{"error": {"message", "type", "param", "code"}}` with HTTP 400.
+- Fields that multiply work or memory are bounded by `RequestLimits` (server arguments, defaults
+  below), checked before anything is tokenized, allocated or queued: a 60-byte request must not
+  be able to cost seconds or gigabytes. SGLang bounds only the token counts (prompt < context,
+  prompt + max_new_tokens against the context, same wording); the fan-out limits are ours.
 """
 
 from __future__ import annotations
@@ -23,6 +27,20 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
+
+
+class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request bounds (the server's `--max-*` arguments; engine docstring in embedded.py)."""
+    max_n: int = 64                          # sampling_params.n
+    max_batch_size: int = 1024               # requests one call fans out to: prompts x n
+    max_top_logprobs_num: int = 64           # top_logprobs_num (a top-k per token and position)
+    max_prompt_logprob_tokens: int = 4096    # prompt positions with logprobs ([T, V] fp32 logits)
+    max_stop: int = 64                       # entries of stop, of stop_token_ids, of logit_bias
+
+    def over(self, field: str, value: int, limit_name: str, what: str = "") -> BadRequest:
+        limit = getattr(self, limit_name)
+        return BadRequest(f"{field}: {value}{what} exceeds the server's limit of {limit} "
+                          f"(--{limit_name.replace('_', '-')})", field)
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -55,10 +73,19 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     watermark: Any = None
     choice: Any = None
 
-    def check(self, vocab_size: int, where: str = "sampling_params") -> None:
-        """Semantic checks SGLang's `SamplingParams.verify` makes, plus what we don't support."""
+    def check(self, vocab_size: int, where: str = "sampling_params",
+              limits: RequestLimits = RequestLimits()) -> None:
+        """Semantic checks SGLang's `SamplingParams.verify` makes, our bounds, and what we don't
+        support."""
         def bad(field, value, expected):
             raise BadRequest(f"{where}.{field}: {value!r} is invalid; {expected}", f"{where}.{field}")
+        if self.n > limits.max_n:
+            raise limits.over(f"{where}.n", self.n, "max_n")
+        stops = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())
+        for field, entries in (("stop", stops), ("stop_token_ids", self.stop_token_ids or ()),
+                               ("logit_bias", self.logit_bias or {})):
+            if len(entries) > limits.max_stop:  # matched or applied on every decode step
+                raise limits.over(f"{where}.{field}", len(entries), "max_stop", " entries")
         if self.temperature < 0:
             bad("temperature", self.temperature, "expected >= 0")
         if not 0.0 < self.top_p <= 1.0:

@@ -12,6 +12,14 @@ Design decisions:
 - Bad input gets a 400 `{"error": {"message", "type", "param", "code"}}` naming the field and value
   and nothing is queued; an exception inside a handler becomes a 500 with the same shape. The
   scheduler keeps running either way.
+- Bounds on `/generate` (a 400 naming the field, the value and the limit; all checked before a
+  text is tokenized or a request is built, so refusing costs microseconds):
+  prompts per call and prompts x `n` <= `--max-batch-size` (1024); `sampling_params.n` <=
+  `--max-n` (64); `top_logprobs_num` in [0, `--max-top-logprobs-num`] (64); prompt positions with
+  logprobs (`logprob_start_len`) <= `--max-prompt-logprob-tokens` (4096; each is a vocabulary-wide
+  fp32 logits row); entries of `stop`, `stop_token_ids` and `logit_bias` <= `--max-stop` (64);
+  prompt tokens < the context length and prompt + `max_new_tokens` <= the context length and the
+  KV pool (SGLang's checks and wording).
 - A client that disconnects from `/generate` aborts its request (handler cancellation), like SGLang.
 - `/health` is cheap (the scheduler task is alive and not wedged); `/health_generate` runs a real
   one-token generation, except while generation is paused, where it answers 200 at once: a paused
@@ -34,7 +42,7 @@ import numpy as np
 from aiohttp import web
 
 from miles.engines.embedded_engine import protocol as P
-from miles.engines.embedded_engine.protocol import BadRequest, decode_body
+from miles.engines.embedded_engine.protocol import BadRequest, RequestLimits, decode_body
 from miles.engines.embedded_engine.scheduler import Request, Scheduler
 from miles.engines.embedded_engine import weights as W
 from miles.engines.embedded_engine.delta import DeltaUpdates
@@ -62,6 +70,10 @@ class EngineServer:
         self.model_path = args.model_path
         self.served_model_name = args.served_model_name or args.model_path
         self.rng = random.Random(args.random_seed)
+        self.limits = RequestLimits(max_n=args.max_n, max_batch_size=args.max_batch_size,
+                                    max_top_logprobs_num=args.max_top_logprobs_num,
+                                    max_prompt_logprob_tokens=args.max_prompt_logprob_tokens,
+                                    max_stop=args.max_stop)
         self.started_s = time.time()
         shape = runner.shape
         eos = set(shape.eos_token_ids)
@@ -182,7 +194,7 @@ class EngineServer:
         return resp
 
     def _build_requests(self, body: P.GenerateRequest) -> tuple[list[Request], bool]:
-        shape = self.runner.shape
+        shape, lim = self.runner.shape, self.limits
         if body.input_embeds is not None:
             raise BadRequest("input_embeds: not supported by the embedded engine", "input_embeds")
         if (body.text is None) == (body.input_ids is None):
@@ -190,16 +202,20 @@ class EngineServer:
         if body.input_ids is not None:
             is_batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
             prompts = body.input_ids if is_batch else [body.input_ids]
+            if len(prompts) > lim.max_batch_size:
+                raise lim.over("input_ids", len(prompts), "max_batch_size", " prompts")
             for b, p in enumerate(prompts):
                 where = f"input_ids[{b}]" if is_batch else "input_ids"
                 if not isinstance(p, list) or any(isinstance(t, list) for t in p):
                     raise BadRequest(f"{where}: mixes lists and ints; expected list[int] or "
                                      "list[list[int]]", "input_ids")
         else:
-            if self.tokenizer is None:
-                raise BadRequest("text: this engine runs without a tokenizer; send input_ids", "text")
             is_batch = isinstance(body.text, list)
             texts = body.text if is_batch else [body.text]
+            if len(texts) > lim.max_batch_size:
+                raise lim.over("text", len(texts), "max_batch_size", " prompts")
+            if self.tokenizer is None:
+                raise BadRequest("text: this engine runs without a tokenizer; send input_ids", "text")
             prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         n_prompts = len(prompts)
         params = body.sampling_params
@@ -223,16 +239,38 @@ class EngineServer:
                              "--enable-return-routed-experts", "return_routed_experts")
         if isinstance(body.rid, list) and len(body.rid) != n_prompts:
             raise BadRequest(f"rid: {len(body.rid)} entries for {n_prompts} prompts", "rid")
-        reqs: list[Request] = []
-        for i, ids in enumerate(prompts):
+        # The fan-out first: n is what turns a tiny body into a million requests.
+        for i, p in enumerate(plist):
+            if p.n > lim.max_n:
+                where = f"sampling_params[{i}]" if isinstance(params, list) else "sampling_params"
+                raise lim.over(f"{where}.n", p.n, "max_n")
+        samples = sum(p.n for p in plist)
+        if samples > lim.max_batch_size:
+            raise lim.over("sampling_params.n", samples, "max_batch_size",
+                           f" requests ({n_prompts} prompts x n)")
+        sps = []
+        for i in range(n_prompts):
             sp = msgspec.structs.replace(plist[i])
             where = f"sampling_params[{i}]" if isinstance(params, list) else "sampling_params"
-            sp.check(shape.vocab_size, where)
+            sp.check(shape.vocab_size, where, lim)
+            top_num = per(body.top_logprobs_num, i, "top_logprobs_num", 0)
+            if not 0 <= top_num <= lim.max_top_logprobs_num:
+                raise BadRequest(f"top_logprobs_num: {top_num} is outside [0, "
+                                 f"{lim.max_top_logprobs_num}] (--max-top-logprobs-num)",
+                                 "top_logprobs_num")
+            sps.append(sp)
+        reqs: list[Request] = []
+        for i, ids in enumerate(prompts):
+            sp = sps[i]
             self._check_prompt(ids, sp, f"input_ids[{i}]" if is_batch else "input_ids")
             start_len = per(body.logprob_start_len, i, "logprob_start_len", -1)
             if start_len >= len(ids):
                 raise BadRequest(f"logprob_start_len: {start_len} must be < the prompt length "
                                  f"{len(ids)}", "logprob_start_len")
+            wants_prompt_lps = start_len >= 0 and per(body.return_logprob, i, "return_logprob", False)
+            if wants_prompt_lps and len(ids) - start_len > lim.max_prompt_logprob_tokens:
+                raise lim.over("logprob_start_len", start_len, "max_prompt_logprob_tokens",
+                               f" asks for logprobs of {len(ids) - start_len} prompt tokens, which")
             if not 0 <= body.routed_experts_start_len <= len(ids):
                 raise BadRequest(f"routed_experts_start_len: {body.routed_experts_start_len} "
                                  f"outside [0, {len(ids)}]", "routed_experts_start_len")
@@ -253,7 +291,7 @@ class EngineServer:
                     else self.runner.context_length - len(ids),
                     return_logprob=bool(per(body.return_logprob, i, "return_logprob", False)),
                     logprob_start_len=start_len,
-                    top_logprobs_num=int(per(body.top_logprobs_num, i, "top_logprobs_num", 0) or 0),
+                    top_logprobs_num=int(per(body.top_logprobs_num, i, "top_logprobs_num", 0)),
                     return_routed_experts=body.return_routed_experts,
                     routed_experts_start_len=body.routed_experts_start_len, stream=body.stream,
                     stop_token_ids=frozenset(stops), stop_strs=stop_strs))
@@ -263,17 +301,20 @@ class EngineServer:
         V, ctx = self.runner.shape.vocab_size, self.runner.context_length
         if not ids:
             raise BadRequest(f"{where}: empty prompt", "input_ids")
-        bad = next((t for t in ids if not 0 <= t < V), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= V:  # min/max run in C; the generator only on a bad prompt
+            bad = next(t for t in ids if not 0 <= t < V)
             raise BadRequest(f"{where}: token id {bad} is out of the vocabulary [0, {V})", "input_ids")
         if len(ids) >= ctx:
             raise BadRequest(f"{where}: the input ({len(ids)} tokens) is longer than the model's "
                              f"context length ({ctx} tokens)", "input_ids")
         new = sp.max_new_tokens if sp.max_new_tokens is not None else 0
-        if len(ids) + new > ctx:
-            raise BadRequest(f"sampling_params.max_new_tokens: {new} + {len(ids)} input tokens "
-                             f"exceeds the model's maximum context length of {ctx} tokens",
-                             "sampling_params.max_new_tokens")
+        if len(ids) + new > ctx:  # SGLang's wording, with the field in front
+            raise BadRequest(f"sampling_params.max_new_tokens: {new}: Requested token count exceeds "
+                             f"the model's maximum context length of {ctx} tokens. You requested a "
+                             f"total of {len(ids) + new} tokens: {len(ids)} tokens from the input "
+                             f"messages and {new} tokens for the completion. Please reduce the "
+                             "number of tokens in the input messages or the completion to fit "
+                             "within the limit.", "sampling_params.max_new_tokens")
         if len(ids) + new > self.runner.max_total_tokens:
             raise BadRequest(f"{where}: {len(ids)} input + {new} new tokens exceed the KV pool "
                              f"(max_total_tokens={self.runner.max_total_tokens})", "input_ids")
