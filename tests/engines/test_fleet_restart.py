@@ -1,0 +1,136 @@
+"""The fleet keeps engines and the gateway up: a killed engine leaves routing at once, comes back
+on a fresh port as a pending engine (generation bumped), and takes traffic only after the driver's
+`EnginesUpdated`; `engine.max_restarts` bounds crash loops, not a run's kills; a killed gateway
+comes back on its own URL. Real engines, a real smg, 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from miles.actors.base import Runtime
+from miles.actors.engines import EngineFleet
+from miles.config import Recipe, RunConfig
+from miles.rl.config import EngineConfig, ModelConfig
+from miles.wire.messages import EnginesUpdated, GetEngines
+
+
+async def _fleet(tmp_path, model, **engine):
+    recipe = Recipe(run=RunConfig(output_dir=str(tmp_path / "run")), model=ModelConfig(path=str(model)),
+                    engine=EngineConfig(start_timeout_s=120.0, health_interval_s=0.3, **engine))
+    fleet = EngineFleet()
+    fleet.recipe = recipe
+    runtime = Runtime()
+    await fleet.start(runtime)
+    return fleet, runtime, runtime.ref_at(fleet.server.endpoint, "engines")
+
+
+async def _until(what: str, predicate, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+async def _routed(fleet) -> set[str]:
+    return {w["url"] for w in await fleet.gateway.workers()
+            if w.get("is_healthy") and w.get("status", "ready") == "ready"}
+
+
+async def _generate(url: str) -> int:
+    body = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status
+
+
+async def test_killed_engine_waits_in_pending_until_the_driver_published(tmp_path, tiny_qwen3):
+    fleet, runtime, ref = await _fleet(tmp_path, tiny_qwen3, num_engines=2)
+    try:
+        before = await ref.call(GetEngines(), timeout_s=120)
+        assert len(before.engine_urls) == 2 and before.pending_urls == []
+        dead = before.engine_urls[0]
+        fleet.slots[0].engine.process.kill()
+
+        async def restarted():
+            s = await ref.call(GetEngines(), timeout_s=10)
+            return s if s.pending_urls else None
+        after = await _until("the killed engine is relaunched as pending", restarted)
+        fresh = after.pending_urls[0]
+        assert after.generation > before.generation
+        assert fresh != dead and dead not in after.engine_urls + after.pending_urls
+        assert after.engine_urls == before.engine_urls[1:]
+        assert await _routed(fleet) == {before.engine_urls[1]}, "a pending engine takes no traffic"
+
+        await ref.call(EnginesUpdated(generation=after.generation, version=7), timeout_s=60)
+        now = await ref.call(GetEngines(), timeout_s=10)
+        assert now.pending_urls == [] and set(now.engine_urls) == {fresh, before.engine_urls[1]}
+        assert now.version == 7 and now.generation == after.generation
+        assert await _routed(fleet) == set(now.engine_urls)
+    finally:
+        await fleet.close()
+        runtime.close()
+
+
+async def test_kills_spread_over_a_run_are_survived_but_a_crash_loop_gives_up(tmp_path, tiny_qwen3):
+    # Deaths later than restart_window_s after start do not add up: three kills, max_restarts = 1.
+    fleet, runtime, ref = await _fleet(tmp_path / "a", tiny_qwen3, max_restarts=1, restart_window_s=0.2)
+    run = asyncio.ensure_future(fleet.run())
+    try:
+        for kill in range(3):
+            engines = await ref.call(GetEngines(), timeout_s=120)
+            url = (engines.engine_urls + engines.pending_urls)[0]
+            await asyncio.sleep(0.3)  # older than restart_window_s
+            fleet.slots[0].engine.process.kill()
+
+            async def back(url=url):
+                s = await ref.call(GetEngines(), timeout_s=10)
+                return s.pending_urls and s.pending_urls[0] != url
+            await _until(f"restart after kill {kill + 1}", back)
+        assert not run.done() and fleet.restarts == 3 and not fleet.slots[0].gave_up
+    finally:
+        fleet.stop()
+        await fleet.close()
+        runtime.close()
+
+    # The same engine dying soon after every start is given up; with no engine left the fleet ends.
+    fleet, runtime, ref = await _fleet(tmp_path / "b", tiny_qwen3, max_restarts=1, restart_window_s=600)
+    run = asyncio.ensure_future(fleet.run())
+    try:
+        await ref.call(GetEngines(), timeout_s=120)
+        fleet.slots[0].engine.process.kill()
+        await _until("a restart", lambda: asyncio.sleep(0, fleet.slots[0].engine is not None
+                                                           and fleet.slots[0].pending_since >= 0))
+        fleet.slots[0].engine.process.kill()
+        assert await asyncio.wait_for(run, 30) == 1
+        assert fleet.slots[0].gave_up and fleet.restarts == 1
+        assert "every engine gave up" in str(fleet._fatal.result())
+    finally:
+        await fleet.close()
+        runtime.close()
+
+
+async def test_killed_gateway_comes_back_on_its_url_with_the_serving_engines(tmp_path, tiny_qwen3):
+    fleet, runtime, ref = await _fleet(tmp_path, tiny_qwen3)
+    try:
+        engines = await ref.call(GetEngines(), timeout_s=120)
+        assert await _generate(engines.gateway_url) == 200
+        old_pid = fleet.gateway.process.pid
+        fleet.gateway.process.kill()
+        await _until("a new gateway process", lambda: asyncio.sleep(
+            0, fleet.gateway.process.pid != old_pid and fleet.gateway.process.alive))
+        await _until("the engine routed again", lambda: _routed(fleet))
+        again = await ref.call(GetEngines(), timeout_s=10)
+        assert again.gateway_url == engines.gateway_url
+        assert await _routed(fleet) == set(engines.engine_urls)
+        assert await _generate(again.gateway_url) == 200
+        assert fleet.gateway_restarts == 1
+    finally:
+        await fleet.close()
+        runtime.close()
