@@ -19,7 +19,10 @@ Config
     "reinforce_plus_plus_baseline" | "ppo"; normalize_std, normalize_advantages, gamma, lambd,
     kl_coef (reward shaping); loss_type "policy" | "sft"; eps_clip, eps_clip_high, eps_clip_c;
     kl_loss_coef, kl_loss_type, use_unbiased_kl; entropy_coef; use_tis, tis_clip, tis_clip_low;
-    use_mis, mis_low, mis_high; loss_reduction "token" | "sample" | "rollout"; value_clip; opd_kl_coef.
+    use_mis, mis_low, mis_high; loss_reduction "auto" | "token" | "sample" | "rollout" | "constant",
+    max_response_tokens; value_clip; opd_kl_coef. `cfg.reduction` is the reduction in force: "auto"
+    lets the estimator pick its paper's (dr_grpo: "constant", gspo: per-sequence mean), and a
+    reduction the estimator's paper contradicts is refused.
 
 Once per training step
     compute_advantages(cfg, *, rewards[S], loss_mask[T], cu_seqlens[S+1], group_ids[S]=None,
@@ -27,8 +30,9 @@ Once per training step
         teacher_logprobs[T]=None, sum_across_ranks=None) -> AdvantageResult(advantages[T], returns[T])
         GRPO-family statistics need every sample of a group in the call; REINFORCE++ whitening uses
         sum_across_ranks (all_reduce SUM of a float64 [3]) so DP shards whiten with global moments.
-    loss_denominators(loss_mask_counts[S], *, reduction=cfg.loss_reduction, rollout_ids[S]=None)
-        -> float64 [S]. Call it on the WHOLE step: every micro-batch of every DP rank.
+    loss_denominators(loss_mask_counts[S], *, reduction=cfg.reduction, rollout_ids[S]=None,
+        max_response_tokens=cfg.max_response_tokens) -> float64 [S]. Call it on the WHOLE step:
+        every micro-batch of every DP rank.
 
 Per micro-batch
     compute_policy_loss(logprobs, *, loss_mask, sample_denominators, cfg, cu_seqlens=None,
@@ -44,7 +48,7 @@ Per micro-batch
 Example (one rank, micro-batches = lists of sample indices of the step):
     counts = loss_mask_counts(mask, cu)
     adv = compute_advantages(cfg, rewards=r, loss_mask=mask, cu_seqlens=cu, group_ids=g).advantages
-    den = loss_denominators(counts, reduction=cfg.loss_reduction, rollout_ids=rid)
+    den = loss_denominators(counts, reduction=cfg.reduction, rollout_ids=rid)
     for samples in micro_batches:                       # contiguous here for brevity
         lo, hi = cu[samples[0]], cu[samples[-1] + 1]
         loss, metrics = compute_policy_loss(logp_fn(lo, hi), loss_mask=mask[lo:hi],

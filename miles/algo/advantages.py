@@ -1,6 +1,10 @@
 """Advantage estimators: GRPO / Dr.GRPO / GSPO, REINFORCE++ (+baseline), PPO with GAE.
 
 Design decisions:
+- Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) is GRPO without the group-std division (A = r - mean);
+  its other half, no 1/|o_i| length normalisation, is a loss reduction ("constant", reduce.py),
+  which `LossConfig` makes the only one dr_grpo accepts. GSPO (Zheng et al. 2025, arXiv:2507.18071)
+  shares GRPO's group advantages; its sequence-level ratio is in losses.py.
 - Inputs are one scalar reward per sample and per-token tensors on the packed stream (`cu_seqlens`).
   Outputs are per-token advantages (and returns), zero wherever loss_mask is 0.
 - Group statistics (GRPO family) are computed in float64 on the CPU: they are a handful of scalars,

@@ -5,8 +5,23 @@ Design decisions:
   recipe that only names the estimator behaves like the reference.
 - Two KL knobs, as in slime: `kl_coef` shapes the *reward* before advantages (REINFORCE++, PPO),
   `kl_loss_coef` adds a KL *loss* term against the reference policy. They are independent.
-- `loss_reduction` defaults to "rollout": with one sample per rollout (no `rollout_ids`) it is exactly
-  slime's default per-sample mean, and with black-box trajectory trees it keeps one rollout = one vote.
+- `loss_reduction = "auto"` (the default) lets the estimator pick its reduction (`LossConfig.reduction`),
+  so naming an estimator is enough to get the paper's objective; an explicit reduction the paper
+  contradicts is refused here, at recipe load, naming the paper:
+    grpo, reinforce_plus_plus(_baseline), ppo -> "rollout": with one sample per rollout (no
+      `rollout_ids`) exactly slime's per-sample mean (DeepSeekMath's GRPO, arXiv:2402.03300); with
+      black-box trajectory trees one rollout = one vote. Any reduction may be chosen ("token" is DAPO's).
+    dr_grpo -> "constant", and only that: Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
+      Training: A Critical Perspective", arXiv:2503.20783) removes the group-std
+      AND the 1/|o_i| length normalisation, summing token losses over a constant, the generation
+      budget times the number of responses (TRL's loss_type="dr_grpo", verl's
+      "seq-mean-token-sum-norm"). Any per-sample or per-token mean brings a length bias back.
+    gspo -> "rollout" (or "sample"): GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization",
+      arXiv:2507.18071) averages one clipped sequence-level term per response, 1/G sum_i;
+      "token" (and "constant") would weight each response by its length.
+- `max_response_tokens` is Dr. GRPO's constant (the paper's MAX_TOKENS). 0 means "the generation
+  budget": the trainer fills in `rollout.max_new_tokens`, which this Struct cannot see.
+- Messages name the recipe key (`algo.eps_clip = -0.1: must be > 0.0`).
 - msgspec only type-checks on decode, so `__post_init__` re-checks choices and ranges; a config built
   in Python (`LossConfig(eps_clip=-1)`) fails as clearly as one decoded from TOML.
 """
@@ -20,12 +35,26 @@ import msgspec
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
-LossReduction = Literal["token", "sample", "rollout"]
+LossReduction = Literal["auto", "token", "sample", "rollout", "constant"]
 LossType = Literal["policy", "sft"]
 
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = AdvantageEstimator.__args__  # type: ignore[attr-defined]
 KL_TYPES: tuple[str, ...] = KlType.__args__  # type: ignore[attr-defined]
-LOSS_REDUCTIONS: tuple[str, ...] = LossReduction.__args__  # type: ignore[attr-defined]
+LOSS_REDUCTION_CHOICES: tuple[str, ...] = LossReduction.__args__  # type: ignore[attr-defined]
+LOSS_REDUCTIONS: tuple[str, ...] = tuple(r for r in LOSS_REDUCTION_CHOICES if r != "auto")  # resolved ones
+
+# The reductions each estimator's paper allows (first = what "auto" picks); absent: any.
+ESTIMATOR_REDUCTIONS: dict[str, tuple[str, ...]] = {
+    "dr_grpo": ("constant",),
+    "gspo": ("rollout", "sample"),
+}
+ESTIMATOR_PAPERS = {
+    "dr_grpo": "Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) sums token losses over a constant "
+               "(generation budget x responses); a per-sample or per-token mean reintroduces the length bias "
+               "it removes",
+    "gspo": "GSPO (Zheng et al. 2025, arXiv:2507.18071) averages one sequence-level term per response; "
+            "'token' or 'constant' would weight each response by its length",
+}
 LOSS_TYPES: tuple[str, ...] = LossType.__args__  # type: ignore[attr-defined]
 
 
@@ -59,7 +88,8 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     mis_high: float = 2.0
 
     # --- reduction ---
-    loss_reduction: LossReduction = "rollout"
+    loss_reduction: LossReduction = "auto"  # auto: the estimator's own (see `reduction`)
+    max_response_tokens: int = 0  # "constant"'s budget per response; 0: the trainer uses rollout.max_new_tokens
 
     # --- critic (PPO) ---
     value_clip: float = 0.2
@@ -70,7 +100,7 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     def __post_init__(self) -> None:
         _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
         _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
-        _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
+        _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTION_CHOICES)
         _choice("loss_type", self.loss_type, LOSS_TYPES)
         _in_range("eps_clip", self.eps_clip, low=0.0, low_open=True)
         if self.eps_clip_high is not None:
@@ -89,12 +119,31 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         _in_range("value_clip", self.value_clip, low=0.0, low_open=True)
         _in_range("opd_kl_coef", self.opd_kl_coef, low=0.0)
         if self.use_tis and self.use_mis:
-            raise ValueError("use_tis and use_mis are both true; pick one mismatch correction")
+            raise ValueError("algo.use_tis = true and algo.use_mis = true: pick one mismatch correction")
+        if isinstance(self.max_response_tokens, bool) or not isinstance(self.max_response_tokens, int) \
+                or self.max_response_tokens < 0:
+            raise ValueError(f"algo.max_response_tokens = {self.max_response_tokens!r}: must be an integer >= 0")
+        allowed = ESTIMATOR_REDUCTIONS.get(self.advantage_estimator)
+        if self.loss_type == "policy" and allowed and self.loss_reduction not in ("auto", *allowed):
+            raise ValueError(
+                f"algo.loss_reduction = {self.loss_reduction!r}: advantage_estimator = "
+                f"{self.advantage_estimator!r} needs {' or '.join(map(repr, allowed))} (or 'auto'): "
+                f"{ESTIMATOR_PAPERS[self.advantage_estimator]}")
 
     @property
     def clip_high(self) -> float:
         """Upper clip width: eps_clip_high, or eps_clip when unset."""
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def reduction(self) -> str:
+        """The loss reduction in force: `loss_reduction`, or for "auto" the estimator's own (the SFT
+        loss, which has no estimator, keeps the per-sample mean)."""
+        if self.loss_reduction != "auto":
+            return self.loss_reduction
+        if self.loss_type == "sft":
+            return "rollout"
+        return ESTIMATOR_REDUCTIONS.get(self.advantage_estimator, ("rollout",))[0]
 
     @property
     def std_normalized(self) -> bool:
@@ -104,7 +153,7 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        raise ValueError(f"algo.{name} = {value!r}: not one of {', '.join(allowed)}")
 
 
 def _in_range(
@@ -116,8 +165,8 @@ def _in_range(
     low_open: bool = False,
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
+        raise ValueError(f"algo.{name} = {value!r}: must be a finite number")
     if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name}={value!r} must be {'>' if low_open else '>='} {low}")
+        raise ValueError(f"algo.{name} = {value!r}: must be {'>' if low_open else '>='} {low}")
     if high is not None and value > high:
-        raise ValueError(f"{name}={value!r} must be <= {high}")
+        raise ValueError(f"algo.{name} = {value!r}: must be <= {high}")

@@ -70,7 +70,12 @@ def gspo_log_ratio(
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
 ) -> torch.Tensor:
-    """GSPO: per-sample mean over model tokens of log(pi / pi_old), broadcast to every token."""
+    """GSPO: per-sample mean over model tokens of log(pi / pi_old), broadcast to every token.
+
+    GSPO (Zheng et al. 2025, arXiv:2507.18071): s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|), clipped
+    per sequence; the objective averages one term per sequence, so it needs a per-sequence
+    reduction ("sample"/"rollout"), which `LossConfig` enforces.
+    """
     mask = loss_mask.float()
     total = segment_sum(token_log_ratio(logprobs, old_logprobs) * mask, cu_seqlens)
     count = segment_sum(mask, cu_seqlens).clamp_min(1.0)

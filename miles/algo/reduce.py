@@ -1,4 +1,4 @@
-"""Loss reduction that adds up exactly across micro-batches: per token, per sample, per rollout.
+"""Loss reduction that adds up exactly across micro-batches: per token, sample, rollout, or constant.
 
 Every reduction is written as one formula,
 
@@ -14,6 +14,10 @@ micro-batches, all data-parallel ranks) by `loss_denominators`:
     rollout  denominator_s = trained tokens of s's whole rollout * number of rollouts in the step
              -> token-weighted mean over each rollout's tokens (all siblings together), then mean
                 over rollouts
+    constant denominator_s = max_response_tokens * number of rollouts in the step
+             -> sum of all token losses / (budget * responses): Dr. GRPO's length-unbiased reduction
+                (arXiv:2503.20783; TRL loss_type="dr_grpo", verl "seq-mean-token-sum-norm"); the
+                same for every sample, so no response's tokens count more or less for its length
 
 Design decisions:
 - Because the denominators are global, each micro-batch's loss is a *partial sum*: summing the
@@ -23,7 +27,10 @@ Design decisions:
   the loss by the DP world size (or all-reduce with SUM).
 - A sample with no trained tokens gets a denominator clamped to 1: its numerator is 0, so it adds 0
   instead of NaN. It still counts as a sample/rollout in the step (slime does the same).
-- Without `rollout_ids` every sample is its own rollout, so "rollout" equals "sample".
+- Without `rollout_ids` every sample is its own rollout, so "rollout" equals "sample", and "constant"
+  counts samples. With them a rollout is one response o_i of Dr. GRPO's 1/G.
+- Which reduction an estimator may use is the config's business (`LossConfig.reduction`); here
+  "auto" is refused, since only the config knows what it resolves to.
 - Denominators are float64: step token counts can pass 2^24, where float32 stops being exact.
 """
 
@@ -41,11 +48,14 @@ def loss_denominators(
     *,
     reduction: str,
     rollout_ids: torch.Tensor | None = None,
+    max_response_tokens: int = 0,
 ) -> torch.Tensor:
     """float64 [num_samples] per-sample denominators for the WHOLE step.
 
     loss_mask_counts: int [num_samples], trained tokens per sample (see layout.loss_mask_counts).
+    reduction: a resolved reduction, i.e. `LossConfig.reduction`.
     rollout_ids: int [num_samples], siblings of one rollout share an id (optional).
+    max_response_tokens: the generation budget per response, required (> 0) by "constant".
     """
     counts = require_1d("loss_mask_counts", loss_mask_counts)
     if counts.shape[0] == 0:
@@ -55,19 +65,27 @@ def loss_denominators(
         index = int((counts < 0).nonzero()[0, 0])
         raise ValueError(f"loss_mask_counts must be >= 0, got {int(counts[index])} at index {index}")
     if reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r} is not one of {', '.join(LOSS_REDUCTIONS)}")
+        hint = " (resolve 'auto' with LossConfig.reduction)" if reduction == "auto" else ""
+        raise ValueError(f"reduction={reduction!r} is not one of {', '.join(LOSS_REDUCTIONS)}{hint}")
+    if reduction == "constant" and (isinstance(max_response_tokens, bool) or not isinstance(max_response_tokens, int)
+                                    or max_response_tokens < 1):
+        raise ValueError(f"max_response_tokens={max_response_tokens!r}: reduction='constant' (Dr. GRPO) divides by "
+                         "the generation budget; set algo.max_response_tokens or rollout.max_new_tokens >= 1")
     counts64 = counts.to(torch.float64)
     num_samples = counts.shape[0]
     if reduction == "token":
         return counts64.sum().clamp_min(1.0).expand(num_samples).clone()
-    if reduction == "sample":
+    if reduction == "sample" or (reduction == "rollout" and rollout_ids is None):
         return counts64.clamp_min(1.0) * num_samples
-    if rollout_ids is None:
-        return counts64.clamp_min(1.0) * num_samples
-    ids = require_1d("rollout_ids", rollout_ids, num_samples)
-    require_integer("rollout_ids", ids)
-    _, rollout = torch.unique(ids.to(counts.device), return_inverse=True)
-    num_rollouts = int(rollout.max()) + 1
+    num_rollouts, rollout = num_samples, None
+    if rollout_ids is not None:
+        ids = require_1d("rollout_ids", rollout_ids, num_samples)
+        require_integer("rollout_ids", ids)
+        _, rollout = torch.unique(ids.to(counts.device), return_inverse=True)
+        num_rollouts = int(rollout.max()) + 1
+    if reduction == "constant":
+        return torch.full((num_samples,), float(max_response_tokens * num_rollouts), dtype=torch.float64,
+                          device=counts.device)
     # index_add_ on float64 integer counts is exact, so atomics cannot make it nondeterministic.
     rollout_tokens = torch.zeros(num_rollouts, dtype=torch.float64, device=counts.device)
     rollout_tokens.index_add_(0, rollout, counts64)

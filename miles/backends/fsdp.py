@@ -89,6 +89,9 @@ class FSDPBackend(TrainingBackend):
         if loss.opd_kl_coef > 0:
             raise NotImplementedError("opd_kl_coef > 0 needs teacher log-probs, which the FSDP "
                                       "backend does not compute yet")
+        if loss.reduction == "constant" and loss.max_response_tokens < 1:
+            raise ValueError("algo.max_response_tokens = 0: the 'constant' loss reduction (Dr. GRPO) divides "
+                             "by the generation budget; set it (the trainer actor fills in rollout.max_new_tokens)")
         rank.check()
         self.cfg, self.loss_cfg, self.rank = config, loss, rank
         self.device = pick_device(rank)
@@ -274,7 +277,8 @@ class FSDPBackend(TrainingBackend):
     def _denominators(self, batch: CheckedBatch, step_indices: list[int]) -> dict[int, float]:
         counts = torch.tensor([int(batch.loss_masks[i].sum()) for i in step_indices], dtype=torch.int64)
         rollouts = torch.as_tensor(batch.rollout_index[step_indices], dtype=torch.int64)
-        den = loss_denominators(counts, reduction=self.loss_cfg.loss_reduction, rollout_ids=rollouts)
+        den = loss_denominators(counts, reduction=self.loss_cfg.reduction, rollout_ids=rollouts,
+                                max_response_tokens=self.loss_cfg.max_response_tokens)
         return dict(zip(step_indices, den.tolist()))
 
     def _optimizer_step(self) -> dict[str, float]:

@@ -39,6 +39,7 @@ SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
 Tensors = dict[str, torch.Tensor]
 
 SAMPLE_LENGTHS = [5, 3, 7, 4, 6, 2, 5, 4]  # 8 samples, 36 tokens
+MAX_RESPONSE_TOKENS = 8  # Dr. GRPO's constant: the generation budget
 GROUP_IDS = [0, 0, 0, 0, 1, 1, 1, 1]
 ROLLOUT_IDS = [0, 1, 1, 2, 3, 4, 5, 5]  # rollouts 1 and 5 have two siblings each
 
@@ -139,8 +140,10 @@ def corrections_outputs(x: Tensors) -> Tensors:
 def reduce_outputs(x: Tensors) -> Tensors:
     counts = loss_mask_counts(x["loss_mask"], x["cu_seqlens"])
     return {
-        f"denominators.{reduction}": loss_denominators(counts, reduction=reduction, rollout_ids=x["rollout_ids"])
-        for reduction in ("token", "sample", "rollout")
+        f"denominators.{reduction}": loss_denominators(
+            counts, reduction=reduction, rollout_ids=x["rollout_ids"], max_response_tokens=MAX_RESPONSE_TOKENS
+        )
+        for reduction in ("token", "sample", "rollout", "constant")
     }
 
 
@@ -151,6 +154,7 @@ OBJECTIVE_CONFIGS = {
     "gspo_mis": LossConfig(advantage_estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4, use_mis=True),
     "unbiased_k2": LossConfig(kl_loss_coef=0.1, kl_loss_type="k2", use_unbiased_kl=True),
     "sft": LossConfig(loss_type="sft"),
+    "dr_grpo": LossConfig(advantage_estimator="dr_grpo", max_response_tokens=MAX_RESPONSE_TOKENS),
 }
 
 
@@ -158,7 +162,9 @@ def objective_outputs(x: Tensors) -> Tensors:
     counts = loss_mask_counts(x["loss_mask"], x["cu_seqlens"])
     out: Tensors = {}
     for name, cfg in OBJECTIVE_CONFIGS.items():
-        denominators = loss_denominators(counts, reduction=cfg.loss_reduction, rollout_ids=x["rollout_ids"])
+        denominators = loss_denominators(
+            counts, reduction=cfg.reduction, rollout_ids=x["rollout_ids"], max_response_tokens=cfg.max_response_tokens
+        )
         logprobs = x["logprobs"].clone().requires_grad_()
         loss, metrics = compute_policy_loss(
             logprobs,

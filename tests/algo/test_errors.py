@@ -117,24 +117,30 @@ def test_loss_denominators_refuse_bad_input() -> None:
         loss_denominators(torch.zeros(0, dtype=torch.int64), reduction="token")
     with pytest.raises(ValueError, match=r"loss_mask_counts must be >= 0, got -1 at index 1"):
         loss_denominators(torch.tensor([3, -1]), reduction="token")
-    with pytest.raises(ValueError, match=r"reduction='mean' is not one of token, sample, rollout"):
+    with pytest.raises(ValueError, match=r"reduction='mean' is not one of token, sample, rollout, constant"):
         loss_denominators(torch.tensor([3, 1]), reduction="mean")
     with pytest.raises(ValueError, match=r"rollout_ids has length 1, expected 2"):
         loss_denominators(torch.tensor([3, 1]), reduction="rollout", rollout_ids=torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"reduction='auto' is not one of .*resolve 'auto' with LossConfig.reduction"):
+        loss_denominators(torch.tensor([3, 1]), reduction="auto")
+    with pytest.raises(ValueError, match=r"max_response_tokens=0: reduction='constant' \(Dr. GRPO\)"):
+        loss_denominators(torch.tensor([3, 1]), reduction="constant")
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"eps_clip": -0.1}, r"eps_clip=-0.1 must be > 0.0"),
-        ({"eps_clip_c": 0.9}, r"eps_clip_c=0.9 must be > 1.0"),
-        ({"gamma": 1.5}, r"gamma=1.5 must be <= 1.0"),
-        ({"tis_clip": 0.5, "tis_clip_low": 1.0}, r"tis_clip=0.5 must be > 1.0"),
-        ({"mis_low": 2.0, "mis_high": 1.0}, r"mis_high=1.0 must be > 2.0"),
-        ({"use_tis": True, "use_mis": True}, r"use_tis and use_mis are both true"),
-        ({"advantage_estimator": "grpoo"}, r"advantage_estimator='grpoo' is not one of grpo, dr_grpo"),
-        ({"kl_loss_type": "k4"}, r"kl_loss_type='k4' is not one of k1, k2, k3, low_var_kl"),
-        ({"entropy_coef": math.nan}, r"entropy_coef=nan must be a finite number"),
+        ({"eps_clip": -0.1}, r"algo.eps_clip = -0.1: must be > 0.0"),
+        ({"eps_clip_c": 0.9}, r"algo.eps_clip_c = 0.9: must be > 1.0"),
+        ({"gamma": 1.5}, r"algo.gamma = 1.5: must be <= 1.0"),
+        ({"tis_clip": 0.5, "tis_clip_low": 1.0}, r"algo.tis_clip = 0.5: must be > 1.0"),
+        ({"mis_low": 2.0, "mis_high": 1.0}, r"algo.mis_high = 1.0: must be > 2.0"),
+        ({"use_tis": True, "use_mis": True}, r"algo.use_tis = true and algo.use_mis = true: pick one"),
+        ({"advantage_estimator": "grpoo"}, r"algo.advantage_estimator = 'grpoo': not one of grpo, dr_grpo"),
+        ({"kl_loss_type": "k4"}, r"algo.kl_loss_type = 'k4': not one of k1, k2, k3, low_var_kl"),
+        ({"entropy_coef": math.nan}, r"algo.entropy_coef = nan: must be a finite number"),
+        ({"loss_reduction": "mean"}, r"algo.loss_reduction = 'mean': not one of auto, token, sample, rollout"),
+        ({"max_response_tokens": -1}, r"algo.max_response_tokens = -1: must be an integer >= 0"),
     ],
 )
 def test_config_refuses_bad_values(fields: dict, message: str) -> None:
@@ -149,7 +155,8 @@ def test_config_defaults_and_decoding() -> None:
     assert (cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c, cfg.kl_coef, cfg.kl_loss_type) == (0.2, 0.2, None, 0.0,
                                                                                           "low_var_kl")
     assert (cfg.tis_clip, cfg.tis_clip_low, cfg.gamma, cfg.lambd, cfg.value_clip) == (2.0, 0.0, 1.0, 1.0, 0.2)
-    assert cfg.advantage_estimator == "grpo" and cfg.std_normalized and cfg.loss_reduction == "rollout"
+    assert cfg.advantage_estimator == "grpo" and cfg.std_normalized and cfg.loss_reduction == "auto"
+    assert cfg.reduction == "rollout" and cfg.max_response_tokens == 0
     decoded = msgspec.toml.decode(b'eps_clip_high = 0.28\nadvantage_estimator = "gspo"\n', type=LossConfig)
     assert decoded.clip_high == 0.28 and decoded.advantage_estimator == "gspo"
     with pytest.raises(msgspec.ValidationError, match="Object contains unknown field `eps_clp`"):

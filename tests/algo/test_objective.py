@@ -198,7 +198,7 @@ def test_package_docstring_example_flow() -> None:
     adv = compute_advantages(
         cfg, rewards=r, loss_mask=mask, cu_seqlens=cu, group_ids=group, rollout_ids=rid
     ).advantages
-    den = loss_denominators(counts, reduction=cfg.loss_reduction, rollout_ids=rid)
+    den = loss_denominators(counts, reduction=cfg.reduction, rollout_ids=rid)
 
     def grad_for(micro_batches: list[list[int]]) -> torch.Tensor:
         logp = base.clone().requires_grad_()

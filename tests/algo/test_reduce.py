@@ -1,4 +1,4 @@
-"""Loss reduction: denominators, the three reductions by hand, and micro-batch split invariance.
+"""Loss reduction: denominators, the four reductions by hand, and micro-batch split invariance.
 
 The split tests run a tiny linear softmax "policy" with autograd: one micro-batch holding the whole
 step must give the same loss and gradient as any split of the samples across micro-batches, in
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from miles.algo import LossConfig, compute_policy_loss, loss_denominators
+from miles.algo.config import ESTIMATOR_REDUCTIONS
 from miles.algo.layout import cu_seqlens_from_lengths, loss_mask_counts
 from miles.algo.losses import entropy_from_logits
 from miles.algo.reduce import reduce_tokens, token_weights
@@ -31,6 +32,11 @@ def test_denominators_by_hand() -> None:
     assert torch.equal(rollout, torch.tensor([15.0, 15.0, 3.0, 15.0], dtype=torch.float64))
     without_ids = loss_denominators(counts, reduction="rollout")
     assert torch.equal(without_ids, sample)
+    # Dr. GRPO: budget 6 x three rollouts, whatever the lengths; x four samples without rollout ids
+    constant = loss_denominators(counts, reduction="constant", rollout_ids=rollout_ids, max_response_tokens=6)
+    assert torch.equal(constant, torch.full((4,), 18.0, dtype=torch.float64))
+    assert torch.equal(loss_denominators(counts, reduction="constant", max_response_tokens=6),
+                       torch.full((4,), 24.0, dtype=torch.float64))
 
 
 LENGTHS = [4, 6, 3, 5, 2, 7]
@@ -102,7 +108,8 @@ class ToyStep:
     def run(self, cfg: LossConfig, micro_batches: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Accumulate gradients over micro-batches; return (grad, summed loss, summed metrics)."""
         self.weight.grad = None
-        denominators = loss_denominators(self.counts, reduction=cfg.loss_reduction, rollout_ids=self.rollout_ids)
+        denominators = loss_denominators(self.counts, reduction=cfg.reduction, rollout_ids=self.rollout_ids,
+                                         max_response_tokens=cfg.max_response_tokens)
         total = torch.zeros(())
         metrics_sum: dict[str, torch.Tensor] = {}
         for members in micro_batches:
@@ -145,15 +152,24 @@ CONFIGS = {
     "dual_clip_mis_unbiased_kl": LossConfig(
         eps_clip_c=2.0, eps_clip_high=0.3, use_mis=True, kl_loss_coef=0.05, use_unbiased_kl=True
     ),
+    "dr_grpo_kl": LossConfig(advantage_estimator="dr_grpo", kl_loss_coef=0.1, max_response_tokens=8),
     "sft": LossConfig(loss_type="sft"),
 }
+# Every reduction each config's estimator accepts (LossConfig refuses the others, see
+# test_estimator_reductions.py), so no combination is skipped quietly.
+SPLIT_CASES = [(name, reduction) for name, cfg in sorted(CONFIGS.items())
+               for reduction in ("token", "sample", "rollout", "constant")
+               if cfg.loss_type == "sft" or reduction in ESTIMATOR_REDUCTIONS.get(cfg.advantage_estimator, (reduction,))]
 
 
-@pytest.mark.parametrize("reduction", ["token", "sample", "rollout"])
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_splitting_samples_across_micro_batches_gives_the_same_gradient(reduction: str, config: str) -> None:
+def test_split_cases_cover_every_estimator_reduction() -> None:
+    assert len(SPLIT_CASES) == 4 + 4 + 2 + 1 + 4  # dual_clip, grpo, gspo, dr_grpo, sft
+
+
+@pytest.mark.parametrize(("config", "reduction"), SPLIT_CASES)
+def test_splitting_samples_across_micro_batches_gives_the_same_gradient(config: str, reduction: str) -> None:
     step = ToyStep(seed=11)
-    cfg = msgspec_replace(CONFIGS[config], loss_reduction=reduction)
+    cfg = msgspec_replace(CONFIGS[config], loss_reduction=reduction, max_response_tokens=8)
     grad_whole, loss_whole, metrics_whole = step.run(cfg, SPLITS[0])
     assert grad_whole.abs().sum() > 0
     for split in SPLITS[1:]:

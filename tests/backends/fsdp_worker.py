@@ -92,8 +92,9 @@ def reference_grads(path, samples, loss_cfg):
                              group_ids=torch.as_tensor(batch.group_index),
                              rollout_ids=torch.as_tensor(batch.rollout_index)).advantages
     counts = torch.as_tensor([int(m.sum()) for m in batch.loss_masks])
-    den = loss_denominators(counts, reduction=loss_cfg.loss_reduction,
-                            rollout_ids=torch.as_tensor(batch.rollout_index))
+    den = loss_denominators(counts, reduction=loss_cfg.reduction,
+                            rollout_ids=torch.as_tensor(batch.rollout_index),
+                            max_response_tokens=loss_cfg.max_response_tokens)
     loss, _ = compute_policy_loss(logp, loss_mask=mask, sample_denominators=den, cfg=loss_cfg,
                                   cu_seqlens=cu, advantages=adv)
     loss.backward()
