@@ -5,7 +5,16 @@ Design decisions:
   changes. Components own their config Structs (`miles.algo.config`, `miles.backends.config`, ...)
   and this file mounts them as sections.
 - Unknown keys are errors (a typo must not silently fall back to a default). Every error is one
-  line naming the key path, the bad value and what was expected.
+  line, `key.path = value: what was expected`: ranges are `msgspec.Meta` constraints declared on
+  the fields, a section's own `__post_init__` check is reworded into the same form (`_explain`).
+- Three layers of checks, all before anything starts: types and ranges (msgspec, at decode), rules
+  across fields and sections (`_check`: sync mode vs an explicit `loop.max_staleness`, the two
+  temperatures, a buffer smaller than a batch), and rules about the world (paths exist, import
+  paths resolve, a loop recipe names a model and data: `miles.recipe_checks`).
+- "Explicitly given" is read from the raw TOML tree plus overrides, so a default never contradicts.
+- `train.old_logprobs = "auto"` is resolved at load: when the loop trains stale samples
+  (`loop.staleness > 0`) and one optimizer step per batch, it becomes "rollout" (PPO's ratio
+  against the policy that sampled); left as "auto" it would train them with a ratio of exactly 1.
 - Overrides (`--set train.lr=1e-5`) are applied to the raw TOML tree before validation, so they
   get exactly the same checks; the value is parsed as a TOML value (`1e-5`, `true`, `"x"`,
   `[1, 2]`), and anything that does not parse as TOML is taken as a string.
@@ -13,17 +22,25 @@ Design decisions:
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from miles.algo.config import LossConfig
 from miles.backends.config import TrainConfig
 from miles.weights.config import WeightsConfig
-from miles.rl.config import (BufferConfig, DataConfig, EngineConfig, EvalConfig, LoggingConfig,
-                             LoopConfig, ModelConfig, RolloutConfig, SFTConfig)
+from miles.rl.config import (BufferConfig, Count, DataConfig, EngineConfig, EvalConfig,
+                             LoggingConfig, LoopConfig, ModelConfig, NonNegative, Positive,
+                             RolloutConfig, Seconds, SFTConfig)
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
 
 
 class RecipeError(ValueError):
@@ -37,31 +54,32 @@ class Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RunConfig(Base):
     name: str = "miles"
     output_dir: str = "runs/{name}"   # {name} is replaced by run.name
-    seed: int = 0
+    seed: Count = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 class RestartPolicy(Base):
-    max_restarts: int = 3
-    backoff_s: float = 0.5            # first restart delay; doubles per restart
-    backoff_max_s: float = 10.0
+    max_restarts: Count = 3
+    backoff_s: NonNegative = 0.5      # first restart delay; doubles per restart
+    backoff_max_s: NonNegative = 10.0
 
 
 class ClusterConfig(Base):
     host: str = "127.0.0.1"           # address this node binds and advertises (launcher sets it)
-    head_port: int = 29650            # the registry on the head node
-    heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 30.0  # no heartbeat for this long: the actor is killed and restarted
-    shutdown_grace_s: float = 10.0    # SIGTERM -> SIGKILL for children at shutdown
-    start_timeout_s: float = 120.0    # an actor must register within this
+    head_port: Port = 29650           # the registry on the head node
+    heartbeat_interval_s: Seconds = 1.0
+    liveness_timeout_s: Seconds = 30.0  # no heartbeat for this long: the actor is killed and restarted
+    shutdown_grace_s: NonNegative = 10.0  # SIGTERM -> SIGKILL for children at shutdown
+    start_timeout_s: Seconds = 120.0  # an actor must register within this
+    auth: Literal["none", "curve"] = "none"  # curve: CurveZMQ keys made per job, passed by env
 
 
 class ActorSpec(Base):
     """Where and how one actor role runs. `cls` is `module:Class` (a user subclass works)."""
     cls: str = msgspec.field(name="class")
-    node: int = 0
-    nodes: list[int] | None = None    # several nodes: one process group spread over them
-    procs_per_node: int = 1           # > 1 or several nodes: ranks launched like torchrun
+    node: Count = 0
+    nodes: list[Count] | None = None  # several nodes: one process group spread over them
+    procs_per_node: Positive = 1      # > 1 or several nodes: ranks launched like torchrun
     distributed: bool = False         # set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
     main: bool = False                # the job ends when this actor finishes
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
@@ -133,54 +151,96 @@ def _lookup(tree: Any, path: list[str]) -> Any:
     return tree
 
 
-def _struct_at(cls: type, path: list[str]) -> type | None:
-    """The Struct type found at a key path, for listing the keys it accepts."""
-    import typing
+def _plain(tp: Any) -> Any:
+    """`Annotated[X, Meta(...)]` -> X and `X | None` -> X: the type a value must have."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp
+            tp = args[0]
+        else:
+            return tp
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+def _type_at(path: list[str]) -> Any:
+    """The declared type at a key path of the recipe (None once the path leaves the schema);
+    the name in `actors.<name>` and a list index step into the value type."""
+    tp: Any = Recipe
     for key in path:
-        if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
-            args = [a for a in typing.get_args(cls) if a is not type(None)]
-            cls = args[-1] if args else None
-            if cls is None:
+        tp = _plain(tp)
+        if _is_struct(tp):
+            fields = {f.encode_name: f.type for f in msgspec.structs.fields(tp)}
+            if key not in fields:
                 return None
-            if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
-                continue  # dict[str, Spec]: the key is a name, move into the value type
-        info = {f.encode_name: f.type for f in msgspec.structs.fields(cls)}
-        if key not in info:
+            tp = fields[key]
+        elif typing.get_origin(tp) in (dict, list):
+            tp = typing.get_args(tp)[-1]
+        else:
             return None
-        cls = info[key]
-    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
-        return cls
-    args = [a for a in __import__("typing").get_args(cls) if isinstance(a, type)
-            and issubclass(a, msgspec.Struct)]
-    return args[0] if args else None
+    return _plain(tp)
 
 
-def _explain(err: msgspec.ValidationError, tree: dict, source: str, prefix: list[str] = (),
-             root: type = None) -> RecipeError:
-    text = str(err)
-    message, _, where = text.partition(" - at `")
-    path = [*prefix, *[p for p in where.rstrip("`").removeprefix("$").replace("[", ".")
-                       .replace("]", "").strip(".").split(".") if p]] if where else [*prefix]
+def _split_path(where: str) -> list[str]:
+    return [p for p in where.rstrip("`").removeprefix("$").replace("[", ".").replace("]", "")
+            .strip(".").split(".") if p]
+
+
+def _explain(err: msgspec.ValidationError, tree: dict, source: str,
+             prefix: list[str] = ()) -> RecipeError:
+    message, _, where = str(err).partition(" - at `")
+    path = [*prefix, *_split_path(where)]
     key = ".".join(path) or "<top level>"
     if message.startswith("Object contains unknown field"):
         bad = message.split("`")[1]
-        full = ".".join([*path, bad])
-        owner = _struct_at(Recipe, [p for p in path if not _is_name(path, p)])
-        known = ", ".join(f.encode_name for f in msgspec.structs.fields(owner)) if owner else "?"
-        return RecipeError(f"{source}: {full}: unknown key; expected one of: {known}")
-    value = _lookup(tree, path)
-    if isinstance(value, dict) and "=" in message:  # a section's own check (__post_init__)
-        return RecipeError(f"{source}: {key}: {message.removeprefix(key + '.')}")
+        owner = _type_at(path)
+        known = ", ".join(f.encode_name for f in msgspec.structs.fields(owner)) if _is_struct(owner) else "?"
+        return RecipeError(f"{source}: {'.'.join([*path, bad])}: unknown key; expected one of: {known}")
     if message.startswith("Object missing required field"):
         bad = message.split("`")[1]
         return RecipeError(f"{source}: {'.'.join([*path, bad])}: required key is missing")
-    return RecipeError(f"{source}: {key} = {value!r}: {message[0].lower() + message[1:]}")
+    value = _lookup(tree, path)
+    if isinstance(value, dict) and not message.startswith(("Expected", "Invalid")):
+        return RecipeError(f"{source}: {_reword_section_check(message, path, value)}")
+    return RecipeError(f"{source}: {key} = {show(value)}: {_reword(message, path)}")
 
 
-def _is_name(path: list[str], part: str) -> bool:
-    """True for the parts of a key path that are names in a table of specs (actors.<name>)."""
-    i = path.index(part)
-    return i > 0 and path[i - 1] in _NAMED_TABLES
+def _reword(message: str, path: list[str]) -> str:
+    """msgspec's own words, as `expected ...` (a bound without the type, an enum with its choices)."""
+    bound = re.match(r"Expected `\w+` ([<>]=? .*)$", message)
+    if bound:
+        return f"expected {bound.group(1)}"
+    choices = _type_at(path)
+    if message.startswith("Invalid enum value") and typing.get_origin(choices) is Literal:
+        return "expected one of " + ", ".join(map(str, typing.get_args(choices)))
+    return message[0].lower() + message[1:]
+
+
+def _reword_section_check(message: str, path: list[str], section: dict) -> str:
+    """A section's `__post_init__` message (`train.lr=-1.0 must be >= 0.0`, `eps_clip=-1 must be
+    > 0.0`, `algo.eps_clip = -1: must be > 0`) as `train.lr = -1.0: expected >= 0.0`."""
+    name = ".".join(path)
+    own = rf"^(?:{re.escape(name)}\.)?(\w+)"
+    m = re.match(own + r"\s*=\s*(.+?)(?:: | (?=must |is not one of |needs ))(.*)$", message)
+    if m:
+        field, shown, rest = m.groups()
+        rest = re.sub(r"^must be ", "expected ", re.sub(r"^is not one of ", "expected one of ", rest))
+        rest = re.sub(r"^must ", "expected to ", rest)
+    else:
+        m = re.match(own + r" is empty(?:; )?(.*)$", message)
+        if not m:
+            return f"{name}: {message}"
+        field, shown, rest = m.group(1), "''", "expected a non-empty value" + (
+            f"; {m.group(2)}" if m.group(2) else "")
+    shown = show(section[field]) if field in section else shown
+    return f"{name}.{field} = {shown}: {rest}"
 
 
 _NAMED_TABLES = {"actors"}
@@ -193,8 +253,7 @@ def _convert_named_tables(tree: dict, source: str) -> None:
         entries = tree.get(table)
         if not isinstance(entries, dict):
             continue
-        value_type = next(f.type for f in msgspec.structs.fields(Recipe) if f.name == table)
-        spec_type = __import__("typing").get_args(value_type)[1]
+        spec_type = typing.get_args(_type_at([table]))[1]
         for name, entry in entries.items():
             try:
                 msgspec.convert(entry, spec_type, strict=True)
@@ -204,7 +263,10 @@ def _convert_named_tables(tree: dict, source: str) -> None:
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
                 text: str | None = None) -> Recipe:
-    """Read a recipe file (or `text`), apply overrides, validate; raise RecipeError on any problem."""
+    """Read a recipe file (or `text`), apply overrides, validate; raise RecipeError on any problem.
+
+    This checks the recipe as data; `miles.recipe_checks.check_recipe` then checks it against the
+    world (files, import paths) before `miles check` / `miles run` accept it."""
     source = str(path) if path is not None else "<recipe>"
     if text is None:
         if path is None:
@@ -225,27 +287,88 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
         recipe = msgspec.convert(tree, Recipe, strict=True)
     except msgspec.ValidationError as e:
         raise _explain(e, tree, source) from None
-    _check(recipe, source)
-    return recipe
+    _check(recipe, tree, source)
+    return _resolve(recipe)
 
 
-def _check(recipe: Recipe, source: str) -> None:
-    """Cross-field rules that types alone cannot express."""
+def show(value: Any) -> str:
+    """A recipe value as the recipe spells it (`true`, `'abc'`, `-1.0`)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def bad_value(source: str, key: str, value: Any, expected: str) -> RecipeError:
+    """The one shape of a recipe error: `<source>: <key.path> = <value>: <what was expected>`."""
+    return RecipeError(f"{source}: {key} = {show(value)}: {expected}")
+
+
+def _given(tree: dict, section: str, key: str) -> bool:
+    """Whether the recipe (or an override) states this key, as opposed to taking its default."""
+    table = tree.get(section)
+    return isinstance(table, dict) and key in table
+
+
+def _check(recipe: Recipe, tree: dict, source: str) -> None:
+    """Rules across fields and sections, which the per-field types and bounds cannot express."""
+    for key, value in _infinite(recipe, []):
+        raise bad_value(source, ".".join(key), value, "expected a finite number")
     mains = [name for name, spec in recipe.actors.items() if spec.main]
     if len(mains) > 1:
         raise RecipeError(f"{source}: actors.*.main: only one actor may be main, got {mains}")
     for name, spec in recipe.actors.items():
-        if ":" not in spec.cls:
-            raise RecipeError(f"{source}: actors.{name}.class = {spec.cls!r}: expected "
-                              f"'module:Class'")
-        if spec.procs_per_node < 1:
-            raise RecipeError(f"{source}: actors.{name}.procs_per_node = {spec.procs_per_node}: "
-                              f"expected >= 1")
-        if spec.node < 0:
-            raise RecipeError(f"{source}: actors.{name}.node = {spec.node}: expected >= 0")
-    if not 0 < recipe.cluster.head_port < 65536:
-        raise RecipeError(f"{source}: cluster.head_port = {recipe.cluster.head_port}: expected a "
-                          f"TCP port in 1..65535")
+        module, _, attr = spec.cls.partition(":")
+        if not module or not attr:
+            raise bad_value(source, f"actors.{name}.class", spec.cls, "expected 'module:Class'")
+    c = recipe.cluster
+    if c.liveness_timeout_s <= c.heartbeat_interval_s:
+        raise bad_value(source, "cluster.liveness_timeout_s", c.liveness_timeout_s,
+                        f"expected > cluster.heartbeat_interval_s ({c.heartbeat_interval_s}), or every "
+                        f"actor is killed for a missed heartbeat")
+    loop = recipe.loop
+    if loop.mode != "fully_async" and _given(tree, "loop", "max_staleness") \
+            and loop.max_staleness != loop.staleness:
+        raise bad_value(source, "loop.max_staleness", loop.max_staleness,
+                        f"expected {loop.staleness} with loop.mode = {loop.mode!r} (the mode fixes the "
+                        f"staleness); drop the key, or use loop.mode = 'fully_async'")
+    ro, train = recipe.rollout, recipe.train
+    if ro.temperature != train.temperature:
+        raise bad_value(source, "train.temperature", train.temperature,
+                        f"expected rollout.temperature ({ro.temperature}): the trainer divides its "
+                        f"logits by the temperature the engines sampled with, or every importance "
+                        f"ratio is wrong")
+    if ro.top_k == 0:
+        raise bad_value(source, "rollout.top_k", 0, "expected -1 (off) or >= 1")
+    if recipe.engine.kind == "embedded" and ro.max_new_tokens >= recipe.engine.context_length:
+        raise bad_value(source, "rollout.max_new_tokens", ro.max_new_tokens,
+                        f"expected < engine.context_length ({recipe.engine.context_length}), which "
+                        f"must also hold the prompt")
+    if recipe.buffer.capacity_groups < loop.groups_per_step:
+        raise bad_value(source, "buffer.capacity_groups", recipe.buffer.capacity_groups,
+                        f"expected >= loop.groups_per_step ({loop.groups_per_step}), or no batch "
+                        f"ever fills")
+    if recipe.eval.mode == "external" and not recipe.eval.command.strip():
+        raise bad_value(source, "eval.command", recipe.eval.command,
+                        "expected a command (with {checkpoint} and {step}) for eval.mode = 'external'")
+
+
+def _infinite(obj: msgspec.Struct, path: list[str]):
+    """Key paths of infinite floats: TOML allows `inf`, but no knob of ours means forever."""
+    for f in msgspec.structs.fields(obj):
+        value, key = getattr(obj, f.name), [*path, f.encode_name]
+        if isinstance(value, float) and not math.isfinite(value):
+            yield key, value
+        elif isinstance(value, msgspec.Struct):
+            yield from _infinite(value, key)
+        elif isinstance(value, dict) and value and all(isinstance(v, msgspec.Struct) for v in value.values()):
+            for name, v in value.items():
+                yield from _infinite(v, [*key, name])
+
+
+def _resolve(recipe: Recipe) -> Recipe:
+    """Defaults that depend on other sections, settled once here (see the module docstring)."""
+    train = recipe.train
+    if train.old_logprobs == "auto" and recipe.loop.staleness > 0 and train.steps_per_train == 1:
+        train = msgspec.structs.replace(train, old_logprobs="rollout")
+    return msgspec.structs.replace(recipe, train=train)
 
 
 def recipe_to_json(recipe: Recipe) -> bytes:

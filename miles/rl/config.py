@@ -1,13 +1,26 @@
 """Recipe sections of the RL loop (mounted into `miles.config.Recipe`).
 
 Defaults are chosen for a small GPU run; the quickstart recipe overrides what a CPU needs.
+
+Design decisions:
+- Every numeric field declares its range next to it (`Annotated[int, Meta(ge=1)]`), so msgspec
+  refuses a bad value at decode with the key path and the bound; `miles.config` words the message.
+  Rules that span fields or sections (sync mode vs max_staleness, the two temperatures) live in
+  `miles.config._check`; rules about the world (paths exist, import paths resolve) in
+  `miles.recipe_checks`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
+
+Count = Annotated[int, Meta(ge=0)]            # 0 is meaningful (none / off / the default)
+Positive = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(gt=0.0)]      # every wait has a deadline; finiteness: config._check
+NonNegative = Annotated[float, Meta(ge=0.0)]
 
 
 class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -16,13 +29,13 @@ class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class LoopConfig(Section):
     mode: Literal["sync", "one_step_off", "fully_async"] = "fully_async"
-    num_steps: int = 100
-    groups_per_step: int = 8          # prompts per training step (each gives a group of n samples)
-    max_staleness: int = 2            # fully_async: how many versions a group may lag when trained
-    save_every: int = 0               # checkpoint every k steps (0: only at the end)
+    num_steps: Count = 100            # 0: only the warm-start and the evaluations
+    groups_per_step: Positive = 8     # prompts per training step (each gives a group of n samples)
+    max_staleness: Count = 2          # fully_async: how many versions a group may lag when trained
+    save_every: Count = 0             # checkpoint every k steps (0: only at the end)
     resume: bool = True               # continue from the newest checkpoint in the run directory
-    eval_every: int = 0               # 0: eval only at the start and the end
-    timeout_s: float = 600.0          # any single wait of the loop (a batch, a publish)
+    eval_every: Count = 0             # 0: eval only at the start and the end
+    timeout_s: Seconds = 600.0        # any single wait of the loop (a batch, a publish)
 
     @property
     def staleness(self) -> int:
@@ -33,7 +46,7 @@ class ModelConfig(Section):
     path: str = ""                    # HF safetensors directory
     tiny: str = ""                    # or build one offline: "qwen3" | "qwen2" | "qwen3_moe"
     tiny_overrides: dict[str, int | float | bool | str] = {}
-    tokenizer_vocab: int = 512
+    tokenizer_vocab: Annotated[int, Meta(ge=256)] = 512  # the byte-level alphabet alone is 256
 
 
 class DataConfig(Section):
@@ -50,66 +63,71 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    n_samples_per_prompt: int = 8
-    max_inflight_samples: int = 64
-    max_new_tokens: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = []
+    n_samples_per_prompt: Positive = 8
+    max_inflight_samples: Positive = 64
+    max_new_tokens: Positive = 512
+    temperature: NonNegative = 1.0    # must equal train.temperature (the trainer's log-probs)
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1   # -1: off; 0 is refused (it would allow no token)
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
     ignore_eos: bool = False
     return_routed_experts: bool = False  # R3: record the experts each token was routed to
     reward: str = "math"              # built-in name or "module:function"
     reward_batched: bool = False      # call the reward once per group with all its samples
-    max_retries: int = 2              # per group, for failed samples / retry decisions
-    request_timeout_s: float = 600.0
-    engine_retry_s: float = 60.0      # per request: retry transient engine/gateway errors with
-                                      # back-off (0.2 s doubling to 5 s) for up to this long
+    max_retries: Count = 2            # per group, for failed samples / retry decisions
+    request_timeout_s: Seconds = 600.0
+    engine_retry_s: NonNegative = 60.0  # per request: retry transient engine/gateway errors with
+                                        # back-off (0.2 s doubling to 5 s) for up to this long
+    engine_retry_s: NonNegative = 60.0  # per request: retry transient engine/gateway errors with
+                                        # back-off (0.2 s doubling to 5 s) for up to this long
     worker: str = "miles.actors.rollout:RolloutWorker"
 
 
 class BufferConfig(Section):
-    capacity_groups: int = 64
+    capacity_groups: Positive = 64    # at least loop.groups_per_step, or no batch ever fills
     filter: str = "none"              # "none" | "nonzero_std" | "module:function"
     policy: str = ""                  # "module:Class" subclassing miles.actors.buffer.BufferPolicy
     stale_action: Literal["retry", "drop"] = "retry"
     journal: bool = True              # journal accepted groups and slots under <output_dir>/buffer/
                                       # so a restarted buffer loses nothing it accepted
-    journal_compact_records: int = 2000  # rewrite the journal as one snapshot after this many records
+    journal_compact_records: Positive = 2000  # rewrite the journal as one snapshot after this many
+    journal: bool = True              # journal accepted groups and slots under <output_dir>/buffer/
+                                      # so a restarted buffer loses nothing it accepted
+    journal_compact_records: Positive = 2000  # rewrite the journal as one snapshot after this many records
 
 
 class EngineConfig(Section):
     kind: Literal["embedded", "sglang"] = "embedded"
-    num_engines: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_running_requests: int = 64
-    context_length: int = 4096
-    torch_threads: int = 1
+    num_engines: Positive = 1
+    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # what the embedded engine runs
+    max_running_requests: Positive = 64
+    context_length: Annotated[int, Meta(ge=2)] = 4096  # a prompt token and a generated one
+    torch_threads: Positive = 1
     extra_args: list[str] = []
     sglang: dict[str, str | int | float | bool | list[str]] = {}
     gateway_policy: str = "manual"
-    start_timeout_s: float = 600.0
-    health_interval_s: float = 2.0
-    max_restarts: int = 3             # quick deaths in a row before an engine (or smg) is given up
-    restart_window_s: float = 60.0    # a death this soon after becoming ready counts as quick; a
-                                      # longer life starts the count again (crash loops, not kills)
+    start_timeout_s: Seconds = 600.0
+    health_interval_s: Seconds = 2.0
+    max_restarts: Count = 3           # quick deaths in a row before an engine (or smg) is given up
+    restart_window_s: NonNegative = 60.0  # a death this soon after becoming ready counts as quick; a
+                                          # longer life starts the count again (crash loops, not kills)
 
 
 class EvalConfig(Section):
     mode: Literal["shared", "fleet", "external", "off"] = "shared"
-    n_prompts: int = 0                # 0: the whole eval set
-    temperature: float = 0.0
-    max_new_tokens: int = 0           # 0: rollout.max_new_tokens
+    n_prompts: Count = 0              # 0: the whole eval set
+    temperature: NonNegative = 0.0
+    max_new_tokens: Count = 0         # 0: rollout.max_new_tokens
     command: str = ""                 # external mode: run with {checkpoint} and {step} filled in
-    timeout_s: float = 600.0
-    max_concurrency: int = 32         # eval requests in flight at once (shared and fleet modes)
+    timeout_s: Seconds = 600.0
+    max_concurrency: Positive = 32        # eval requests in flight at once (shared and fleet modes)
 
 
 class SFTConfig(Section):
-    steps: int = 0                    # supervised warm-start steps before RL (0: none)
-    batch_size: int = 32
-    lr: float = 1e-3
+    steps: Count = 0                  # supervised warm-start steps before RL (0: none)
+    batch_size: Positive = 32
+    lr: Annotated[float, Meta(gt=0.0)] = 1e-3
 
 
 class LoggingConfig(Section):
@@ -119,3 +137,6 @@ class LoggingConfig(Section):
     wandb_project: str = "miles"
     progress: bool = True
     plot: bool = True
+    # the flight recorder: write every wire message of these steps to runs/<name>/wire/
+    record_wire: bool = False
+    record_steps: list[Annotated[int, Meta(ge=0)]] = []
