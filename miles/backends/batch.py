@@ -8,7 +8,15 @@ Design decisions:
 - A message names the sample (position, group_id, rollout_id), the field and the bad value.
 - Group and rollout ids are strings on the wire; the algo functions want integers, so they are
   numbered here in order of first appearance (deterministic on every rank).
-- A dict reward is accepted only with `reward_key`; guessing which entry to train on is a silent bug.
+- Rewards become numbers through the one accessor, `Sample.scalar_reward(train.reward_key)`, as in
+  the buffer, the loop and the evaluator, so every place trains on and logs the same number; a dict
+  reward without a matching `reward_key` is refused with the accessor's message.
+- Rollout log-probs are required (never zero-filled) where the policy loss uses them:
+  `train.old_logprobs = "rollout"`, `algo.use_tis`, `algo.use_mis`. A sample without them is
+  refused naming the sample and the setting. An all-zero array is NOT refused: log p = 0.0 exactly
+  is what float32 gives a token of probability > 1 - 6e-8, which a confident policy (greedy-like
+  sampling, a short learned answer) produces for whole responses; refusing it would stop healthy
+  runs, and zero-filling is the rollout side's bug to fix at its source.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from miles.algo import LossConfig
-from miles.wire.messages import Sample
+from miles.wire.messages import Sample, scalar_reward
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline")
 
@@ -58,7 +66,7 @@ def find_batch_error(samples: Sequence[Sample], *, vocab_size: int, loss: LossCo
         if problem:
             return f"train batch: {where}: {problem}"
         if s.rollout_id:
-            reward = _reward(s, reward_key) if loss.loss_type == "policy" else 0.0
+            reward = scalar_reward(s.reward, reward_key) if loss.loss_type == "policy" else 0.0
             first = rollout_seen.setdefault(s.rollout_id, (i, reward, s.group_id))
             if first[1] != reward or first[2] != s.group_id:
                 return (f"train batch: {where}: siblings of rollout_id {s.rollout_id!r} disagree: "
@@ -103,32 +111,23 @@ def _sample_problem(s: Sample, *, vocab_size: int, loss: LossConfig, reward_key:
         bad = np.flatnonzero((lp > 0) & keep)
         if bad.size:
             return f"rollout_logprobs: value {lp[bad[0]]} > 0 at response token {bad[0]}; a log-prob is <= 0"
-    elif loss.use_tis or loss.use_mis or need_rollout_logprobs:
-        why = "use_tis" if loss.use_tis else "use_mis" if loss.use_mis else "old_logprobs='rollout'"
-        return f"rollout_logprobs: missing, required by {why}"
+    elif loss.loss_type == "policy" and (loss.use_tis or loss.use_mis or need_rollout_logprobs):
+        why = ("algo.use_tis = true" if loss.use_tis else "algo.use_mis = true" if loss.use_mis
+               else "train.old_logprobs = 'rollout'")
+        return (f"rollout_logprobs: missing (None), required by {why}; the engine must return the "
+                "log-prob of every sampled token")
     if loss.loss_type == "policy":
         if s.reward is None:
             return "reward: missing (None); the policy loss needs a scalar reward"
-        if isinstance(s.reward, dict):
-            if not reward_key:
-                return (f"reward: a dict with keys {sorted(s.reward)}; set reward_key to pick the "
-                        "one to train on")
-            if reward_key not in s.reward:
-                return f"reward: dict has no key {reward_key!r} (keys {sorted(s.reward)})"
-        value = _reward(s, reward_key)
+        try:
+            value = scalar_reward(s.reward, reward_key)
+        except (TypeError, ValueError) as exc:
+            return f"reward = {s.reward!r}: {exc}"
         if not math.isfinite(value):
             return f"reward={value}: not a finite number"
         if loss.advantage_estimator in GROUP_ESTIMATORS and not s.group_id:
             return f"group_id: empty, but {loss.advantage_estimator} normalizes within groups"
     return None
-
-
-def _reward(s: Sample, reward_key: str) -> float:
-    value = s.reward[reward_key] if isinstance(s.reward, dict) else s.reward
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float("nan")
 
 
 def check_batch(samples: Sequence[Sample], *, vocab_size: int, loss: LossConfig,
@@ -151,7 +150,7 @@ def number_batch(samples: Sequence[Sample], *, loss: LossConfig, reward_key: str
         # An empty group_id makes the sample its own group (only allowed by non-group estimators).
         group_index[i] = groups.setdefault(s.group_id or f"\0sample{i}", len(groups))
         rollout_index[i] = rollouts.setdefault(s.rollout_id or f"\0sample{i}", len(rollouts))
-    rewards = np.array([_reward(s, reward_key) if loss.loss_type == "policy" else 0.0
+    rewards = np.array([scalar_reward(s.reward, reward_key) if loss.loss_type == "policy" else 0.0
                         for s in samples], np.float64)
     masks = [np.ones(s.response_length, np.uint8) if s.loss_mask is None
              else s.loss_mask.astype(np.uint8) for s in samples]

@@ -75,7 +75,7 @@ def test_bad_batches_name_sample_and_field():
 
     assert "sample 1 (group_id='g0'" in error(lambda s: setattr(s, "reward", float("nan")))
     assert "reward: missing" in error(lambda s: setattr(s, "reward", None))
-    assert "set reward_key" in error(lambda s: setattr(s, "reward", {"acc": 1.0}))
+    assert "set train.reward_key" in error(lambda s: setattr(s, "reward", {"acc": 1.0}))
     assert error(lambda s: setattr(s, "reward", {"acc": 1.0}), reward_key="acc") is None
     assert "loss_mask: length" in error(lambda s: setattr(s, "loss_mask", s.loss_mask[1:]))
     assert "loss_mask: value 2" in error(lambda s: s.loss_mask.__setitem__(0, 2))
@@ -85,7 +85,7 @@ def test_bad_batches_name_sample_and_field():
         lambda s: setattr(s, "response_length", len(s.tokens)))
     assert "group_id: empty" in error(lambda s: setattr(s, "group_id", ""))
     assert error(lambda s: setattr(s, "group_id", ""), loss=LossConfig(loss_type="sft")) is None
-    assert "required by use_tis" in error(lambda s: setattr(s, "rollout_logprobs", None),
+    assert "required by algo.use_tis = true" in error(lambda s: setattr(s, "rollout_logprobs", None),
                                           loss=LossConfig(use_tis=True))
     siblings = make_samples(groups=1, per_group=4, siblings=2)
     siblings[1].reward = 5.0
