@@ -10,14 +10,36 @@ Design decisions:
 - Supervision: a child that exits non-zero (or by signal) is restarted with exponential backoff
   until `restart.max_restarts` is used up; each restart gets a new incarnation number so callers
   of the old one fail fast and `retries` reach the new one. A child that is alive but silent (no
-  heartbeat for `cluster.liveness_timeout_s`) is killed and restarted the same way.
+  heartbeat for `cluster.liveness_timeout_s`) is killed and restarted the same way; the log line
+  names it, its incarnation, the seconds since its last heartbeat and its log's last lines.
+- No crash loops: an incarnation that dies early (before it registered, or within
+  `CRASH_LOOP_WINDOW_S` of its start) with the same exit code and last error line as the
+  incarnation before it would fail the same way again, so it is not restarted. The first start
+  gets one retry that way (a port taken a moment ago is not a code error); a bad import or an
+  `on_start` that raises ends the run after two quick starts, within seconds.
+- A non-main actor that is given up on (crash loop, or restart budget used up) ends the job:
+  nothing else can finish without it, and waiting on it would hang every caller. Its node tells
+  the head, which shuts every node down with exit code 1 and one message:
+  "actor X failed: <cause>; last lines of its log (<path>): ...".
 - Process groups launched like torchrun: ranks get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT (port = head_port + 10 + role index). A dead rank restarts the
   group's ranks on its node (a torch process group cannot take back one rank).
-- No orphans: children get their own process group and PR_SET_PDEATHSIG(SIGKILL), so even a
-  `kill -9` of the daemon takes them down; on SIGTERM/SIGINT the daemon sends SIGTERM to every
-  child's group, waits `cluster.shutdown_grace_s`, then SIGKILLs what is left.
-- Logs of every child are forwarded line by line with a `[role]` prefix.
+- Children are `miles.supervise.SupervisedProcess`es: their own process group and
+  PR_SET_PDEATHSIG(SIGKILL), so even a `kill -9` of the daemon takes them down; on SIGTERM/SIGINT
+  the daemon sends SIGTERM to every child's group, waits `cluster.shutdown_grace_s`, then
+  SIGKILLs what is left.
+- Ctrl-C: children are in groups of their own, so a terminal's SIGINT reaches only the daemon;
+  it stops the children (which exit quietly) and prints one line: where the run stopped (the
+  newest complete checkpoint's `loop_state.json`) and that the same command resumes it.
+- Logs: every child writes to `<output_dir>/logs/<actor name>.log` (`/` -> `_`), appended
+  across incarnations, and the daemon follows those files onto its console with a `[name] `
+  prefix. A child never writes into a pipe, so no line is too long and a slow console never
+  blocks an actor; a line over 64 KiB reaches the console in 64 KiB pieces, the file whole.
+- Every wait has a deadline that names what it waited for: other nodes at start
+  (`cluster.start_timeout_s`), children at shutdown (`cluster.shutdown_grace_s`, then SIGKILL),
+  calls to other daemons (5 s). A child that has not registered `cluster.start_timeout_s` after
+  its start is reported once with its log's last lines (an actor may legitimately load a model
+  for longer; its own waits carry their deadlines).
 - When the `main` actor exits, the job is over: the head tells the other daemons to shut down and
   exits with the main actor's code.
 """
@@ -25,18 +47,26 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import itertools
+import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.actors.base import Actor, Registry, Runtime, run_event_loop
+from miles.actors.base import Actor, ActorError, Registry, Runtime, run_event_loop
 from miles.config import ActorSpec, Recipe, recipe_to_json
+from miles.supervise import LogFollower, SupervisedProcess, read_log_tail
 from miles.wire.messages import ListActors, Ok, Shutdown
+
+CRASH_LOOP_WINDOW_S = 30.0  # a death this soon after start counts as a start failure
+LOG_TAIL_LINES = 20         # of a failing child's log, in the daemon's messages
+CALL_TIMEOUT_S = 5.0        # calls between daemons and to the registry
 
 
 @dataclass
@@ -49,18 +79,39 @@ class NodeEnv:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's compact host lists: `a,b`, `node[01-03,07]`, `gpu[1-2]-ib`."""
+    """Slurm's compact host list as host names: `scontrol show hostnames` where Slurm is
+    installed (it knows every form), else `parse_nodelist`."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        try:
+            out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, timeout=CALL_TIMEOUT_S, check=True).stdout.split()
+            if out:
+                return out
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return parse_nodelist(nodelist)
+
+
+def parse_nodelist(nodelist: str) -> list[str]:
+    """`a,b`, `node[01-03,07]`, `gpu[1-2]-ib`, `rack1-[01-02]-gpu[3-4]`: every bracket group
+    expands (the cartesian product, leftmost slowest, as Slurm orders them); zero padding is kept."""
     hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        m = re.match(r"^(.*?)\[([^\]]*)\](.*)$", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            lo, _, hi = r.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        pieces = re.split(r"\[([^\]]*)\]", part)  # text, ranges, text, ranges, ..., text
+        choices: list[list[str]] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                choices.append([piece])
+                continue
+            values = []
+            for r in piece.split(","):
+                lo, _, hi = r.strip().partition("-")
+                if not lo.isdigit() or not (hi or lo).isdigit():
+                    raise ValueError(f"host list {nodelist!r}: bad range {r!r} in [{piece}]")
+                values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+            choices.append(values)
+        hosts += ["".join(combo) for combo in itertools.product(*choices)]
     return hosts
 
 
@@ -81,15 +132,6 @@ def detect_node_env(env: dict | None = None, default_host: str = "127.0.0.1") ->
     return ne
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: own process group; SIGKILL when the daemon dies."""
-    os.setpgrp()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 @dataclass
 class Child:
     name: str                 # actor name, e.g. "trainer/1"
@@ -97,12 +139,21 @@ class Child:
     spec: ActorSpec
     env: dict[str, str]
     group: list["Child"] = field(default_factory=list)  # siblings restarted together
-    proc: asyncio.subprocess.Process | None = None
+    proc: SupervisedProcess | None = None
     incarnation: int = 0
     restarts: int = 0
     started_at: float = 0.0
     exit_code: int | None = None
     gave_up: bool = False
+    log_path: Path | None = None
+    log_offset: int = 0                 # where this incarnation's output starts in log_path
+    follower: LogFollower | None = None
+    registered: bool = False            # this incarnation is in the registry
+    early_failure: tuple | None = None  # (exit code, last error line) of an early death
+    reported_slow_start: bool = False
+
+    def log_tail(self, n_lines: int = LOG_TAIL_LINES) -> str:
+        return read_log_tail(self.log_path, n_lines, since=self.log_offset)
 
 
 class NodeDaemon(Actor):
@@ -172,7 +223,7 @@ class NodeDaemon(Actor):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(
-                self.shutdown(f"signal {signal.Signals(s).name}", 128 + s)))
+                self.shutdown(f"signal {signal.Signals(s).name}", 128 + s, by_signal=True)))
         cl = self.recipe.cluster
         runtime = Runtime(registry=self.registry_endpoint, name=self.name,
                           node_rank=self.node.node_rank)
@@ -181,15 +232,24 @@ class NodeDaemon(Actor):
             await self.registry_actor.start(runtime, host=self.node.host, port=cl.head_port,
                                             register=False)
         self.heartbeat_interval_s = cl.heartbeat_interval_s
-        await self.start(runtime, host=self.node.host)
-        self._node_hosts = await self._discover_nodes()
-        self.children = self.plan()
-        for child in self.children:
-            await self._spawn_child(child)
-        watchers = [asyncio.create_task(self._watch_liveness())]
+        try:
+            await self.start(runtime, host=self.node.host)
+        except (ActorError, OSError) as e:
+            self._log(f"could not register with the registry at {self.registry_endpoint} "
+                      f"(cluster.head_port = {cl.head_port}): {e}")
+            runtime.close()
+            return 1
+        watchers = [asyncio.create_task(self._watch_liveness()),
+                    asyncio.create_task(self._follow_logs())]
+        if await self._until_done(self._discover_nodes()):
+            self.children = self.plan()
+            for child in self.children:
+                if not self._shutting_down:
+                    self._spawn_child(child)
         await self._done.wait()
         for w in watchers:
             w.cancel()
+        self._pump_logs(final=True)
         await self.close()
         if self.registry_actor is not None:
             await asyncio.sleep(0.2)  # let the other nodes' shutdown calls be answered
@@ -197,59 +257,100 @@ class NodeDaemon(Actor):
         runtime.close()
         return self.exit_code or 0
 
+    async def _until_done(self, coro) -> bool:
+        """Run `coro` unless the node is told to shut down first; False if it was."""
+        task, done = asyncio.ensure_future(coro), asyncio.ensure_future(self._done.wait())
+        await asyncio.wait({task, done}, return_when=asyncio.FIRST_COMPLETED)
+        done.cancel()
+        if not task.done():
+            task.cancel()
+            return False
+        try:
+            self._node_hosts = task.result()
+        except ActorError as e:
+            await self.shutdown(str(e), 1)
+            return False
+        return True
+
     async def _discover_nodes(self) -> dict[int, str]:
         """Hosts of the other nodes (for MASTER_ADDR of groups that span nodes)."""
-        hosts = {}
+        hosts: dict[int, str] = {}
         if any(spec.nodes and len(spec.nodes) > 1 for spec in self.recipe.actors.values()):
+            wait_s = self.recipe.cluster.start_timeout_s
             for rank in range(self.node.nnodes):
-                info = await self.runtime.lookup(f"node/{rank}", wait_s=self.recipe.cluster.start_timeout_s)
+                try:
+                    info = await self.runtime.lookup(f"node/{rank}", wait_s=wait_s)
+                except ActorError as e:
+                    raise ActorError(f"node/{rank} did not register within cluster.start_timeout_s"
+                                     f" = {wait_s}s (its host is needed as MASTER_ADDR of groups "
+                                     f"that span nodes): {e}") from None
                 hosts[rank] = info.endpoint.split("//")[1].rsplit(":", 1)[0]
         return hosts
 
-    async def _spawn_child(self, child: Child) -> None:
-        child.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "miles.actors.host", env=self._child_env(child),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, preexec_fn=_die_with_parent)
-        child.started_at = time.monotonic()
+    # ----- children --------------------------------------------------------------------------
+
+    def _spawn_child(self, child: Child) -> None:
+        if child.log_path is None:
+            child.log_path = self.recipe.output_dir / "logs" / f"{child.name.replace('/', '_')}.log"
+            child.log_path.parent.mkdir(parents=True, exist_ok=True)
+            child.follower = LogFollower(child.log_path, f"[{child.name}] ".encode(),
+                                         self._write_console)
+        proc = SupervisedProcess(child.name, [sys.executable, "-m", "miles.actors.host"],
+                                 env=self._child_env(child), log_path=child.log_path).start()
+        child.proc, child.log_offset = proc, proc.log_offset
+        child.started_at = proc.started_at
         child.exit_code = None
-        self._spawn(self._forward_logs(child, child.proc))
-        self._spawn(self._supervise(child, child.proc))
+        child.registered = child.reported_slow_start = False
+        self._spawn(self._supervise(child, proc))
 
-    async def _forward_logs(self, child: Child, proc: asyncio.subprocess.Process) -> None:
-        prefix = f"[{child.name}] ".encode()
-        out = sys.stdout.buffer
+    @staticmethod
+    def _write_console(data: bytes) -> None:
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        except (OSError, ValueError):  # the console is gone; the log files still have it all
+            pass
+
+    def _pump_logs(self, final: bool = False) -> None:
+        for child in self.children:
+            if child.follower is not None:
+                child.follower.pump(flush_partial=final)
+
+    async def _follow_logs(self, interval_s: float = 0.1) -> None:
         while True:
-            line = await proc.stdout.readline()
-            if not line:
-                return
-            out.write(prefix + line)
-            out.flush()
+            self._pump_logs()
+            await asyncio.sleep(interval_s)
 
-    async def _supervise(self, child: Child, proc: asyncio.subprocess.Process) -> None:
+    async def _supervise(self, child: Child, proc: SupervisedProcess) -> None:
         code = await proc.wait()
         if proc is not child.proc:
             return
+        child.follower.pump(flush_partial=True)  # its last words before ours
         child.exit_code = code
         if self._shutting_down:
             return
         if child.spec.main:
             reason = f"main actor {child.name} exited with {code}"
+            if code != 0:
+                reason = self._failure(child, await self._death_cause(child, code))
             if self.node.node_rank != 0:  # the head ends the job for every node
-                try:
-                    await self.runtime.ref("node/0").call(Shutdown(reason=reason, exit_code=code),
-                                                          timeout_s=5.0)
-                except Exception as e:
-                    self._log(f"could not reach the head to end the job: {e}")
+                await self._tell_head(reason, code)
             await self.shutdown(reason, code)
             return
         if code == 0:
             return
+        cause = await self._death_cause(child, code)
+        early = not child.registered or time.monotonic() - child.started_at < CRASH_LOOP_WINDOW_S
+        signature = (code, _normalized(_last_error_line(child.log_tail())))
         policy = child.spec.restart
+        if early and child.early_failure == signature:
+            await self._give_up(child, f"{cause}, as incarnation {child.incarnation - 1} did "
+                                       f"(a crash loop: not restarted)")
+            return
+        child.early_failure = signature if early else None
         if child.restarts >= policy.max_restarts:
-            child.gave_up = True
-            self._log(f"{child.name} exited with {code}; restart budget "
-                      f"({policy.max_restarts}) used up, not restarting")
+            await self._give_up(child, f"{cause}; restart budget (restart.max_restarts = "
+                                       f"{policy.max_restarts}) used up")
             return
         delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** child.restarts)
         self._log(f"{child.name} exited with {code}; restarting in {delay:.1f}s "
@@ -257,71 +358,116 @@ class NodeDaemon(Actor):
         await asyncio.sleep(delay)
         if self._shutting_down:
             return
-        siblings = [c for c in child.group if c is not child and c.proc and c.proc.returncode is None
+        siblings = [c for c in child.group if c is not child and c.proc and c.proc.alive
                     ] if len(child.group) > 1 else []
         for sib in siblings:  # a torch process group cannot take back one rank: restart them all
             await self._terminate(sib, self.recipe.cluster.shutdown_grace_s)
         for c in [child, *siblings]:
             c.restarts += 1 if c is child else 0
             c.incarnation += 1
-            await self._spawn_child(c)
+            self._spawn_child(c)
+
+    async def _death_cause(self, child: Child, code: int) -> str:
+        if not child.registered:  # the watcher may not have looked since it registered
+            child.registered = await self._is_registered(child)
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in
+               signal.valid_signals() else f"exited with code {code}")
+        when = ("before it registered" if not child.registered else
+                f"{time.monotonic() - child.started_at:.0f}s after its start")
+        error = _last_error_line(child.log_tail())
+        return f"incarnation {child.incarnation} {how} {when}" + (f" ({error})" if error else "")
+
+    async def _is_registered(self, child: Child) -> bool:
+        try:
+            listing = await self.runtime.registry.call(ListActors(), timeout_s=CALL_TIMEOUT_S)
+        except Exception:
+            return False
+        return any(a.name == child.name and a.incarnation == child.incarnation and a.endpoint
+                   for a in listing.actors)
+
+    def _failure(self, child: Child, cause: str) -> str:
+        return (f"actor {child.name} failed: {cause}; last lines of its log ({child.log_path}):\n"
+                f"{_indent(child.log_tail())}")
+
+    async def _give_up(self, child: Child, cause: str) -> None:
+        """Nothing else can finish without this actor: end the job rather than hang its callers."""
+        child.gave_up = True
+        reason = self._failure(child, cause)
+        if self.node.node_rank != 0:
+            await self._tell_head(reason, 1)
+        await self.shutdown(reason, 1)
+
+    async def _tell_head(self, reason: str, code: int) -> None:
+        try:
+            await self.runtime.ref("node/0").call(Shutdown(reason=reason, exit_code=code),
+                                                  timeout_s=CALL_TIMEOUT_S)
+        except Exception as e:
+            self._log(f"could not reach the head (node/0) within {CALL_TIMEOUT_S}s to end the "
+                      f"job: {e}")
 
     async def _watch_liveness(self) -> None:
-        """Kill (and so restart) children that are running but stopped heart-beating."""
+        """Kill (and so restart) children that are running but stopped heart-beating; note which
+        incarnations have registered (a death before that is a start failure)."""
         cl = self.recipe.cluster
         while True:
             await asyncio.sleep(max(0.5, cl.heartbeat_interval_s))
             try:
-                listing = await self.runtime.registry.call(ListActors(), timeout_s=5.0)
+                listing = await self.runtime.registry.call(ListActors(), timeout_s=CALL_TIMEOUT_S)
             except Exception:
                 continue
             infos = {a.name: a for a in listing.actors}
             now = time.monotonic()
             for child in self.children:
                 info = infos.get(child.name)
-                running = child.proc is not None and child.proc.returncode is None
-                if (running and info is not None and info.incarnation == child.incarnation
-                        and not info.alive and now - child.started_at > cl.liveness_timeout_s):
-                    self._log(f"{child.name} missed heartbeats for {info.last_seen_s:.1f}s: killing it")
-                    self._killpg(child.proc, signal.SIGKILL)
+                if child.proc is None or not child.proc.alive or self._shutting_down:
+                    continue
+                current = info is not None and info.incarnation == child.incarnation and info.endpoint
+                child.registered = child.registered or bool(current)
+                if (not child.registered and not child.reported_slow_start
+                        and now - child.started_at > cl.start_timeout_s):
+                    child.reported_slow_start = True
+                    self._log(f"{child.name} (incarnation {child.incarnation}) has not registered "
+                              f"{now - child.started_at:.0f}s after its start (cluster."
+                              f"start_timeout_s = {cl.start_timeout_s}); last lines of its log "
+                              f"({child.log_path}):\n{_indent(child.log_tail())}")
+                if current and not info.alive and now - child.started_at > cl.liveness_timeout_s:
+                    self._log(f"{child.name} (incarnation {child.incarnation}, pid {child.proc.pid}) "
+                              f"sent no heartbeat for {info.last_seen_s:.1f}s (cluster."
+                              f"liveness_timeout_s = {cl.liveness_timeout_s}): killing it; last "
+                              f"lines of its log ({child.log_path}):\n{_indent(child.log_tail())}")
+                    child.proc.signal_all(signal.SIGKILL)
 
     def _log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)
 
-    @staticmethod
-    def _killpg(proc: asyncio.subprocess.Process, sig: int) -> None:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
     async def _terminate(self, child: Child, grace_s: float) -> None:
         proc = child.proc
-        if proc is None or proc.returncode is not None:
+        if proc is None or not proc.alive:
             return
         child.proc = None  # the supervisor must not restart it
-        self._killpg(proc, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except asyncio.TimeoutError:
-            self._killpg(proc, signal.SIGKILL)
-            await proc.wait()
-        self._killpg(proc, signal.SIGKILL)  # anything the child left in its group
+        if await proc.stop_async(grace_s) is None:
+            self._log(f"{child.name} (pid {proc.pid}) did not exit {grace_s}s after SIGTERM "
+                      f"(cluster.shutdown_grace_s) nor after SIGKILL: leaving it")
 
-    async def shutdown(self, reason: str, code: int = 0) -> None:
+    async def shutdown(self, reason: str, code: int = 0, by_signal: bool = False) -> None:
         if self._shutting_down:
             return
         self._shutting_down = True
         self.exit_code = code
-        self._log(f"shutting down: {reason}")
+        if not by_signal:  # a signal gets one line, once the children are down
+            self._log(f"shutting down: {reason}")
         if self.node.node_rank == 0 and self.node.nnodes > 1:
             for rank in range(1, self.node.nnodes):
                 try:
-                    await self.runtime.ref(f"node/{rank}").call(Shutdown(reason=reason), timeout_s=5.0)
+                    await self.runtime.ref(f"node/{rank}").call(Shutdown(reason=reason),
+                                                                timeout_s=CALL_TIMEOUT_S)
                 except Exception as e:
-                    self._log(f"node/{rank} did not take the shutdown: {e}")
+                    self._log(f"node/{rank} did not take the shutdown within {CALL_TIMEOUT_S}s: {e}")
         grace = self.recipe.cluster.shutdown_grace_s
         await asyncio.gather(*(self._terminate(c, grace) for c in self.children))
+        if by_signal:
+            self._pump_logs(final=True)
+            self._log(f"shutting down: {reason}; {where_stopped(self.recipe.output_dir)}")
         self._done.set()
 
     async def on_shutdown(self, msg: Shutdown) -> Ok:
@@ -331,18 +477,56 @@ class NodeDaemon(Actor):
         return Ok(detail=f"{self.name} shutting down")
 
 
+def where_stopped(output_dir: Path) -> str:
+    """Where a stopped run can go on from: its newest complete checkpoint (loop_state.json is
+    written last, so a directory without it is not one)."""
+    root = Path(output_dir) / "checkpoints"
+    done = []
+    for path in root.glob("step_*"):
+        try:
+            done.append((int(json.loads((path / "loop_state.json").read_text())["step"]), path))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not done:
+        return f"stopped before the first checkpoint (none in {root}); run the same command again to start over"
+    step, path = max(done)
+    return f"stopped at step {step} (checkpoint {path}); run the same command again to resume"
+
+
+def _last_error_line(tail: str) -> str:
+    """The line that says what went wrong: the host's `error:` line, else the last one."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line[len("error: "):]
+    return lines[-1][:500] if lines else ""
+
+
+def _normalized(line: str) -> str:
+    """The same failure twice: timestamps, pids, ports and addresses differ, the words do not."""
+    return re.sub(r"0x[0-9a-f]+|\d+", "#", line)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
 def run_node(recipe: Recipe, recipe_path_hint: str = "recipe") -> int:
     """Write the resolved recipe into the run directory and run this node's daemon."""
     from miles.rl.sources import prepare_recipe
 
-    recipe = prepare_recipe(recipe)
-    node = detect_node_env(default_host=recipe.cluster.host)
-    out = recipe.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    resolved = out / f"recipe.resolved.node{node.node_rank}.json"
-    resolved.write_bytes(recipe_to_json(recipe))
-    daemon = NodeDaemon(recipe, node, resolved)
-    return run_event_loop(daemon.run_node())
+    try:
+        recipe = prepare_recipe(recipe)
+        node = detect_node_env(default_host=recipe.cluster.host)
+        out = recipe.output_dir
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = out / f"recipe.resolved.node{node.node_rank}.json"
+        resolved.write_bytes(recipe_to_json(recipe))
+        daemon = NodeDaemon(recipe, node, resolved)
+        return run_event_loop(daemon.run_node())
+    except KeyboardInterrupt:  # Ctrl-C before the daemon's own handler is installed
+        print("stopped before the run started; run the same command again to start it", flush=True)
+        return 128 + signal.SIGINT
 
 
 def main(argv: list[str] | None = None) -> int:

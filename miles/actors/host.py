@@ -5,9 +5,18 @@ MILES_ACTOR_NAME, MILES_ACTOR_CLASS (`module:Class`), MILES_ACTOR_ROLE, MILES_RE
 MILES_RECIPE (path of the resolved recipe as JSON), MILES_NODE_RANK, MILES_HOST, MILES_INCARNATION.
 
 If the actor class defines `async def run(self) -> int | None`, the process exits when it returns
-(the exit code is its value, 0 for None); otherwise it serves until told to shut down. SIGTERM and
-SIGINT stop it cleanly. Because an actor is an ordinary process, `breakpoint()` works in it when
-it is run in the foreground (`miles run --foreground role`).
+(the exit code is its value, 0 for None); otherwise it serves until told to shut down. Because an
+actor is an ordinary process, `breakpoint()` works in it when it is run in the foreground
+(`miles run --foreground role`).
+
+Design decisions:
+- SIGTERM and SIGINT stop it quietly (exit code 143 for an actor whose `run` was cut short, 0
+  for one that only serves): the daemon stops every actor at once, so errors that peers going
+  away cause meanwhile are expected, and are neither raised nor logged as tracebacks. A Ctrl-C
+  before the event loop runs (during imports) exits with 130, also without a traceback.
+- A failure prints its traceback and then, as the last line, `error: <Type>: <first line>`: the
+  daemon quotes that line as the cause, and compares it between incarnations to spot a crash
+  loop. A bad class path is a message, not a traceback.
 """
 
 from __future__ import annotations
@@ -18,10 +27,13 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from miles.actors.base import Actor, Runtime, run_event_loop
 from miles.config import recipe_from_json
+
+log = logging.getLogger(__name__)
 
 
 def load_class(path: str, base: type = Actor) -> type:
@@ -45,43 +57,85 @@ def load_class(path: str, base: type = Actor) -> type:
 
 async def host(actor: Actor, runtime: Runtime, bind_host: str) -> int:
     loop = asyncio.get_running_loop()
+    stopping = False
+
+    def on_signal() -> None:
+        nonlocal stopping
+        stopping = True
+        loop.set_exception_handler(_quiet)
+        actor.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, actor.stop)
-    await actor.start(runtime, host=bind_host)
+        loop.add_signal_handler(sig, on_signal)
     code = 0
     try:
+        await actor.start(runtime, host=bind_host)
         if type(actor).run is not Actor.run:
             run_task = asyncio.create_task(actor.run())
             stop_task = asyncio.create_task(actor.serve_forever())
-            done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-            if run_task in done:
-                code = int(run_task.result() or 0)
-            else:
+            await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            if run_task.done() and not run_task.cancelled() and run_task.exception() is not None:
+                # A peer stopped by the same shutdown can fail our call before our own signal
+                # is handled: give that signal a moment before calling this a failure.
+                await asyncio.wait({stop_task}, timeout=0.5)
+            stop_task.cancel()
+            if stopping or not run_task.done():
                 run_task.cancel()
+                await asyncio.gather(run_task, return_exceptions=True)
                 code = 143
+            else:
+                code = int(run_task.result() or 0)
         else:
             await actor.serve_forever()
     finally:
-        await actor.close()
+        await _close(actor, stopping)
         runtime.close()
     return code
+
+
+def _quiet(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Once stopping, errors of tasks left behind are the shutdown's, not news."""
+    log.debug("while stopping: %s", context.get("exception") or context.get("message"))
+
+
+async def _close(actor: Actor, stopping: bool) -> None:
+    if getattr(actor, "server", None) is None:  # start() failed before binding
+        return
+    try:
+        await actor.close()
+    except Exception as e:  # one line: a failure to stop must not hide why we stopped
+        if not stopping:
+            print(f"{actor.name}: error while stopping: {type(e).__name__}: {e}", flush=True)
 
 
 def main() -> int:
     env = os.environ
     name, cls_path = env["MILES_ACTOR_NAME"], env["MILES_ACTOR_CLASS"]
-    logging.basicConfig(level=env.get("MILES_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    cls = load_class(cls_path)
-    actor = cls(name=name)
-    recipe_path = env.get("MILES_RECIPE")
-    if recipe_path:
-        actor.recipe = recipe_from_json(Path(recipe_path).read_bytes())
-        actor.spec = actor.recipe.actors.get(env.get("MILES_ACTOR_ROLE", ""))
-        actor.heartbeat_interval_s = actor.recipe.cluster.heartbeat_interval_s
-    runtime = Runtime(registry=env.get("MILES_REGISTRY"), name=name,
-                      node_rank=int(env.get("MILES_NODE_RANK", "0")))
-    return run_event_loop(host(actor, runtime, env.get("MILES_HOST", "127.0.0.1")))
+    try:
+        logging.basicConfig(level=env.get("MILES_LOG_LEVEL", "INFO").upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            stream=sys.stdout)
+        try:
+            cls = load_class(cls_path)
+        except ValueError as e:
+            print(f"error: {e}", flush=True)
+            return 1
+        actor = cls(name=name)
+        recipe_path = env.get("MILES_RECIPE")
+        if recipe_path:
+            actor.recipe = recipe_from_json(Path(recipe_path).read_bytes())
+            actor.spec = actor.recipe.actors.get(env.get("MILES_ACTOR_ROLE", ""))
+            actor.heartbeat_interval_s = actor.recipe.cluster.heartbeat_interval_s
+        runtime = Runtime(registry=env.get("MILES_REGISTRY"), name=name,
+                          node_rank=int(env.get("MILES_NODE_RANK", "0")))
+        return run_event_loop(host(actor, runtime, env.get("MILES_HOST", "127.0.0.1")))
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except Exception as e:
+        traceback.print_exc(file=sys.stdout)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error: {type(e).__name__}: {first}".rstrip(": "), flush=True)
+        return 1
 
 
 if __name__ == "__main__":
