@@ -78,8 +78,6 @@ class RolloutConfig(Section):
     request_timeout_s: Seconds = 600.0
     engine_retry_s: NonNegative = 60.0  # per request: retry transient engine/gateway errors with
                                         # back-off (0.2 s doubling to 5 s) for up to this long
-    engine_retry_s: NonNegative = 60.0  # per request: retry transient engine/gateway errors with
-                                        # back-off (0.2 s doubling to 5 s) for up to this long
     worker: str = "miles.actors.rollout:RolloutWorker"
 
 
@@ -91,9 +89,6 @@ class BufferConfig(Section):
     journal: bool = True              # journal accepted groups and slots under <output_dir>/buffer/
                                       # so a restarted buffer loses nothing it accepted
     journal_compact_records: Positive = 2000  # rewrite the journal as one snapshot after this many
-    journal: bool = True              # journal accepted groups and slots under <output_dir>/buffer/
-                                      # so a restarted buffer loses nothing it accepted
-    journal_compact_records: Positive = 2000  # rewrite the journal as one snapshot after this many records
 
 
 class EngineConfig(Section):
