@@ -88,7 +88,7 @@ class BufferConfig(Section):
     stale_action: Literal["retry", "drop"] = "retry"
     journal: bool = True              # journal accepted groups and slots under <output_dir>/buffer/
                                       # so a restarted buffer loses nothing it accepted
-    journal_compact_records: Positive = 2000  # rewrite the journal as one snapshot after this many
+    journal_compact_records: Positive = 2000  # records between two rewrites as one snapshot
 
 
 class EngineConfig(Section):
