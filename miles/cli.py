@@ -1,4 +1,9 @@
-"""The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`."""
+"""The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`.
+
+Both commands run the same checks first (`load_recipe`, then `check_recipe`): a broken recipe ends
+with exit code 2 and one line, `miles: <source>: <key.path> = <value>: <what was expected>`,
+before any process starts. Warnings go to stderr and do not stop either command.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import sys
 
 from miles.config import RecipeError, load_recipe
+from miles.recipe_checks import check_recipe
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        warnings = check_recipe(recipe, args.recipe)
     except RecipeError as e:
         print(f"miles: {e}", file=sys.stderr)
         return 2
+    for warning in warnings:
+        print(f"miles: warning: {args.recipe}: {warning}", file=sys.stderr)
     if args.command == "check":
         print(describe(recipe))
         print("recipe OK")

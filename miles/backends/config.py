@@ -8,7 +8,8 @@ Design decisions:
 - msgspec only type-checks on decode, so `__post_init__` re-checks choices and ranges: a config built
   in Python fails as clearly as one decoded from TOML, naming the key and the bad value.
 - `temperature` is here, not in the rollout section, because the trainer must divide its logits by
-  the same temperature the engines sampled with or every importance ratio is off.
+  the same temperature the engines sampled with or every importance ratio is off; a recipe whose
+  `train.temperature` differs from `rollout.temperature` is refused at load (`miles.config`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # --- batching ---
     max_tokens_per_microbatch: int = 8192  # packing budget per rank per forward
     steps_per_train: int = 1               # optimizer steps per train() call (batch split by rollout)
-    old_logprobs: OldLogprobSource = "auto"  # auto: recompute only when steps_per_train > 1
+    # The old policy of PPO's ratio. auto: recompute when steps_per_train > 1, else none (ratio 1,
+    # right only on-policy); a recipe whose loop trains stale samples resolves auto to "rollout"
+    # at load (miles.config), so an async run is clipped against the policy that sampled.
+    old_logprobs: OldLogprobSource = "auto"
     temperature: float = 1.0               # the rollout sampling temperature
     reward_key: str = ""                   # which entry of a dict reward to train on
     logprob_chunk_bytes: int = 1 << 30     # fp32 logits materialized at once when computing log-probs

@@ -1,0 +1,167 @@
+"""A recipe against the world: what `miles check` and `miles run` verify before anything starts.
+
+`miles.config.load_recipe` checks a recipe as data (types, ranges, rules across sections). This
+module checks what data alone cannot: that every import path resolves to something that honours
+its plug-in contract, that the paths it names exist, and that a recipe which runs the RL loop has
+what the loop needs (a model, a data set, eval and warm-start data). It also returns warnings for
+combinations that run but train silently wrong.
+
+Design decisions:
+- Imports go through `pkgutil.resolve_name`, the same resolution the actors use, so "resolves
+  here" means "loads there". A plug-in's contract is checked by its type (a subclass of the base
+  class) or its signature (a callable taking one positional argument); nothing is called.
+- A recipe runs the loop when what it will place (`with_default_actors`) is empty or has a
+  `LoopDriver`. A recipe of only its own actors (the demo, the runtime tests) needs no model.
+- Errors are `RecipeError`s of the one recipe shape (`<source>: key.path = value: expected ...`);
+  warnings are plain lines: the recipe runs, but the user should know.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pkgutil
+from pathlib import Path
+from typing import Any
+
+from miles.config import Recipe, RecipeError, bad_value
+
+
+def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
+    """Raise RecipeError for the first problem found; return the warnings of a usable recipe."""
+    from miles.actors.base import Actor
+    from miles.actors.buffer import FILTERS, BufferPolicy
+    from miles.actors.rollout import RolloutWorker
+    from miles.loop import LoopDriver
+    from miles.rl.rewards import BUILTIN
+    from miles.rl.sources import with_default_actors
+
+    for role, spec in recipe.actors.items():
+        _subclass(source, f"actors.{role}.class", spec.cls, Actor)
+    ro, buf = recipe.rollout, recipe.buffer
+    _subclass(source, "rollout.worker", ro.worker, RolloutWorker)
+    if ro.reward not in BUILTIN:
+        _callable(source, "rollout.reward", ro.reward, "the samples of a group" if ro.reward_batched
+                  else "the sample", builtin=sorted(BUILTIN))
+    if buf.filter not in FILTERS:
+        _callable(source, "buffer.filter", buf.filter, "the group", builtin=sorted(FILTERS))
+    if buf.policy:
+        _subclass(source, "buffer.policy", buf.policy, BufferPolicy)
+    if recipe.data.source:
+        _callable(source, "data.source", recipe.data.source, "the recipe")
+    _check_model(recipe, source)
+    _check_paths(recipe, source)
+
+    placed = with_default_actors(recipe).actors
+    if placed and not any(issubclass(pkgutil.resolve_name(spec.cls), LoopDriver)
+                          for spec in placed.values()):
+        return []  # only the recipe's own actors: no loop, no model needed
+    _check_loop_inputs(recipe, source)
+    return loop_warnings(recipe)
+
+
+def loop_warnings(recipe: Recipe) -> list[str]:
+    """Combinations that run, but train stale samples uncorrected or record nothing."""
+    out = []
+    staleness, train, algo = recipe.loop.staleness, recipe.train, recipe.algo
+    if staleness > 0 and train.old_logprobs != "rollout" and not (algo.use_tis or algo.use_mis):
+        out.append(f"train.old_logprobs = {train.old_logprobs!r} with loop.mode = "
+                   f"{recipe.loop.mode!r} (staleness {staleness}) and neither algo.use_tis nor "
+                   f"algo.use_mis: samples up to {staleness} versions old train with no correction "
+                   f"for the policy that sampled them; use old_logprobs = 'rollout' (needs "
+                   f"train.steps_per_train = 1) or algo.use_tis = true")
+    if recipe.logging.record_steps and not recipe.logging.record_wire:
+        out.append(f"logging.record_steps = {recipe.logging.record_steps}: nothing is recorded "
+                   f"unless logging.record_wire = true")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _resolve(source: str, key: str, path: str) -> Any:
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise bad_value(source, key, path, "expected 'module:name'")
+    try:
+        return pkgutil.resolve_name(path)
+    except ModuleNotFoundError as e:
+        raise bad_value(source, key, path, f"cannot import module {module!r}: {e}") from None
+    except AttributeError:
+        raise bad_value(source, key, path, f"module {module!r} has no attribute {attr!r}") from None
+    except Exception as e:  # the user's module raised while being imported
+        raise bad_value(source, key, path, f"importing module {module!r} raised "
+                                           f"{type(e).__name__}: {e}") from None
+
+
+def _subclass(source: str, key: str, path: str, base: type) -> type:
+    obj = _resolve(source, key, path)
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise bad_value(source, key, path, f"not a subclass of {base.__module__}.{base.__qualname__}"
+                                           f" (it is {obj!r})")
+    return obj
+
+
+def _callable(source: str, key: str, path: str, argument: str, builtin: list[str] = ()) -> None:
+    if builtin and ":" not in path:
+        raise bad_value(source, key, path, f"expected one of {', '.join(builtin)} or "
+                                           f"'module:function'")
+    fn = _resolve(source, key, path)
+    if not callable(fn):
+        raise bad_value(source, key, path, f"{type(fn).__name__} {fn!r} is not callable")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature to read: trust them
+        return
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise bad_value(source, key, path, f"wrong signature {signature}: expected a callable "
+                                           f"taking one positional argument ({argument})") from None
+
+
+def _check_model(recipe: Recipe, source: str) -> None:
+    model = recipe.model
+    if model.tiny and not model.path:
+        from miles.tiny import ARCH_CONFIGS
+        if model.tiny not in ARCH_CONFIGS:
+            raise bad_value(source, "model.tiny", model.tiny,
+                            f"expected one of {', '.join(sorted(ARCH_CONFIGS))}")
+    for key, path in (("model.path", model.path), ("train.model_path", recipe.train.model_path),
+                      ("train.ref_model_path", recipe.train.ref_model_path)):
+        if path and not (Path(path) / "config.json").is_file():
+            what = "does not exist" if not Path(path).exists() else "has no config.json"
+            raise bad_value(source, key, path, f"expected an HF model directory; it {what}")
+
+
+def _check_paths(recipe: Recipe, source: str) -> None:
+    data = recipe.data
+    if data.task:
+        from miles.rl.tasks import TASKS
+        if data.task not in TASKS:
+            raise bad_value(source, "data.task", data.task,
+                            f"expected one of {', '.join(sorted(TASKS))}")
+    for key in ("path", "eval_path", "sft_path"):
+        path = getattr(data, key)
+        if path and not Path(path).is_file():
+            what = "it is not a file" if Path(path).exists() else "it does not exist"
+            raise bad_value(source, f"data.{key}", path, f"expected a .jsonl or .parquet file; {what}")
+
+
+def _check_loop_inputs(recipe: Recipe, source: str) -> None:
+    """What the loop reads: a model, prompts to train on, and the eval and warm-start sets."""
+    from miles.tiny import ARCH_CONFIGS
+
+    model, data = recipe.model, recipe.data
+    if not (model.path or model.tiny):
+        raise RecipeError(f"{source}: model: set model.path (an HF directory) or model.tiny (one of "
+                          f"{', '.join(sorted(ARCH_CONFIGS))}); the RL loop needs a model")
+    if not (data.path or data.task or data.source):
+        raise RecipeError(f"{source}: data: set data.path (a .jsonl/.parquet file), data.task or "
+                          f"data.source; the RL loop needs prompts to train on")
+    if recipe.eval.mode in ("shared", "fleet") and not (data.eval_path or data.task):
+        raise bad_value(source, "data.eval_path", data.eval_path,
+                        f"expected a file for eval.mode = {recipe.eval.mode!r} (or data.task, or "
+                        f"eval.mode = 'off')")
+    if recipe.sft.steps and not (data.sft_path or data.task):
+        raise bad_value(source, "data.sft_path", data.sft_path,
+                        f"expected a file for sft.steps = {recipe.sft.steps} (or data.task, or "
+                        f"sft.steps = 0)")
