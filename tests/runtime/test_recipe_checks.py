@@ -1,0 +1,148 @@
+"""`miles check` refuses every broken recipe before anything starts, naming the key path and value.
+
+Each case is one class of broken recipe that `miles check` once called "recipe OK" (issue 15, 11):
+the quickstart recipe with one thing wrong.
+"""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.config import RecipeError, load_recipe
+from miles.recipe_checks import check_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = (ROOT / "recipes" / "quickstart.toml").read_text()
+NO_MODEL = re.sub(r"\[model\]\n[^\[]*", "", QUICKSTART)
+MILES = [str(ROOT / ".venv" / "bin" / "miles")] if (ROOT / ".venv" / "bin" / "miles").exists() \
+    else [sys.executable, "-m", "miles.cli"]
+
+
+def refusal(text: str, overrides=()) -> str:
+    with pytest.raises(RecipeError) as info:
+        check_recipe(load_recipe(text=text, overrides=list(overrides)))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("text, overrides, expected", [
+    # ranges
+    (QUICKSTART, ["loop.num_steps=-1"], "loop.num_steps = -1: expected >= 0"),
+    (QUICKSTART, ["rollout.temperature=-0.5", "train.temperature=-0.5"],
+     "rollout.temperature = -0.5: expected >= 0.0"),
+    (QUICKSTART, ["rollout.n_samples_per_prompt=0"], "rollout.n_samples_per_prompt = 0: expected >= 1"),
+    (QUICKSTART, ["buffer.capacity_groups=0"], "buffer.capacity_groups = 0: expected >= 1"),
+    (QUICKSTART, ["engine.num_engines=0"], "engine.num_engines = 0: expected >= 1"),
+    (QUICKSTART, ["rollout.top_p=1.5"], "rollout.top_p = 1.5: expected <= 1.0"),
+    (QUICKSTART, ["loop.timeout_s=inf"], "loop.timeout_s = inf: expected a finite number"),
+    (QUICKSTART, ["engine.dtype='float8'"], "engine.dtype = 'float8': expected one of float32, bfloat16"),
+    # the model
+    (NO_MODEL, [], "model: set model.path (an HF directory) or model.tiny (one of qwen2, qwen3"),
+    (QUICKSTART, ["model.path='/no/such/model'"], "model.path = '/no/such/model': expected an HF model "
+                                                  "directory; it does not exist"),
+    (QUICKSTART, ["model.tiny='gpt5'"], "model.tiny = 'gpt5': expected one of qwen2, qwen3, qwen3_moe"),
+    # import paths and plug-in contracts
+    (QUICKSTART, ["rollout.reward='no_such_module:score'"],
+     "rollout.reward = 'no_such_module:score': cannot import module 'no_such_module'"),
+    (QUICKSTART, ["rollout.reward='miles.rl.rewards:load_function'"],
+     "rollout.reward = 'miles.rl.rewards:load_function': wrong signature"),
+    (QUICKSTART, ["rollout.worker='miles.actors.rollout:NoSuchWorker'"],
+     "rollout.worker = 'miles.actors.rollout:NoSuchWorker': module 'miles.actors.rollout' has no "
+     "attribute 'NoSuchWorker'"),
+    (QUICKSTART, ["rollout.worker='miles.actors.buffer:Buffer'"],
+     "rollout.worker = 'miles.actors.buffer:Buffer': not a subclass of miles.actors.rollout.RolloutWorker"),
+    (QUICKSTART, ["actors.extra.class='no_such_module:Helper'"],
+     "actors.extra.class = 'no_such_module:Helper': cannot import module 'no_such_module'"),
+    (QUICKSTART, ["actors.extra.class='miles.actors.buffer:BufferPolicy'"],
+     "actors.extra.class = 'miles.actors.buffer:BufferPolicy': not a subclass of miles.actors.base.Actor"),
+    (QUICKSTART, ["buffer.filter='miles.actors.buffer:no_filter'"],
+     "buffer.filter = 'miles.actors.buffer:no_filter': module 'miles.actors.buffer' has no attribute"),
+    (QUICKSTART, ["buffer.filter='nonzero'"], "buffer.filter = 'nonzero': expected one of none, nonzero_std"),
+    (QUICKSTART, ["buffer.policy='miles.actors.buffer:Buffer'"],
+     "buffer.policy = 'miles.actors.buffer:Buffer': not a subclass of miles.actors.buffer.BufferPolicy"),
+    (QUICKSTART, ["data.source='os:getcwd'"], "data.source = 'os:getcwd': wrong signature ()"),
+    # contradictions
+    (QUICKSTART, ["loop.mode='sync'", "loop.max_staleness=5"],
+     "loop.max_staleness = 5: expected 0 with loop.mode = 'sync'"),
+    (QUICKSTART, ["loop.mode='one_step_off'"], "loop.max_staleness = 2: expected 1 with loop.mode = "
+                                               "'one_step_off'"),
+    (QUICKSTART, ["rollout.temperature=0.7"], "train.temperature = 1.0: expected rollout.temperature (0.7)"),
+    (QUICKSTART, ["buffer.capacity_groups=4"], "buffer.capacity_groups = 4: expected >= loop.groups_per_step (8)"),
+    (QUICKSTART, ["eval.mode='external'"], "eval.command = '': expected a command"),
+    (QUICKSTART, ["data.task=''"], "data: set data.path"),
+    (QUICKSTART, ["data.task=''", "data.path='/no/such.jsonl'"],
+     "data.path = '/no/such.jsonl': expected a .jsonl or .parquet file; it does not exist"),
+    (QUICKSTART, ["data.task=''", f"data.path='{ROOT / 'README.md'}'", "eval.mode='fleet'"],
+     "data.eval_path = '': expected a file for eval.mode = 'fleet'"),
+    (QUICKSTART, ["data.task='sorting'"], "data.task = 'sorting': expected one of addition, sort_digits"),
+    # a section's own check reads like the rest
+    (QUICKSTART, ["train.lr=-1.0"], "train.lr = -1.0: expected >= 0.0"),
+    (QUICKSTART, ["weights.bucket_bytes=0"], "weights.bucket_bytes = 0: expected an integer >= 1"),
+    (QUICKSTART, ["train.steps_per_train=2"], "train.old_logprobs = 'rollout': needs steps_per_train=1"),
+])
+def test_broken_recipe_is_refused_naming_key_and_value(text, overrides, expected):
+    message = refusal(text, overrides)
+    assert expected in message, message
+    assert message.startswith("<recipe>: ") and "\n" not in message
+
+
+def test_every_shipped_and_test_recipe_still_passes():
+    for path in sorted((ROOT / "recipes").glob("*.toml")):
+        recipe = load_recipe(path)
+        assert check_recipe(recipe, str(path)) == [], path
+    # recipes of only their own actors (the demo, the runtime tests) need no model or data
+    own = load_recipe(text='[actors.driver]\nclass = "miles.demo:DemoDriver"\nmain = true\n'
+                           '[actors.sink]\nclass = "miles.demo:Sink"\n')
+    assert check_recipe(own) == []
+    # a value equal to the mode's own staleness is no contradiction; the default never is
+    assert load_recipe(text=QUICKSTART, overrides=["loop.mode='sync'", "loop.max_staleness=0"]).loop.staleness == 0
+    assert load_recipe(text='[loop]\nmode = "sync"').loop.staleness == 0
+
+
+def test_async_modes_resolve_old_logprobs_auto_to_rollout():
+    assert load_recipe(ROOT / "recipes" / "quickstart.toml").train.old_logprobs == "rollout"
+    # all defaults: fully_async, max_staleness 2, old_logprobs "auto"
+    assert load_recipe(text="").train.old_logprobs == "rollout"
+    assert load_recipe(text='[loop]\nmode = "one_step_off"').train.old_logprobs == "rollout"
+    assert load_recipe(text='[train]\nold_logprobs = "auto"').train.old_logprobs == "rollout"
+    # on-policy, one step per batch: a ratio of 1 is right, and "auto" stays
+    assert load_recipe(text='[loop]\nmode = "sync"').train.old_logprobs == "auto"
+    # several steps per batch need recomputed log-probs ("rollout" is refused there)
+    assert load_recipe(text='[train]\nsteps_per_train = 2').train.old_logprobs == "auto"
+    assert load_recipe(text='[train]\nold_logprobs = "recompute"').train.old_logprobs == "recompute"
+
+
+def test_check_warns_on_stale_samples_without_correction(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(QUICKSTART)
+    out = subprocess.run([*MILES, "check", str(recipe), "--set", "train.old_logprobs='recompute'"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "recipe OK" in out.stdout, out.stderr
+    assert "warning" in out.stderr and "train.old_logprobs = 'recompute'" in out.stderr
+    assert "algo.use_tis" in out.stderr
+    # with a correction, or on-policy, there is nothing to warn about
+    for fix in (["algo.use_tis=true"], ["loop.mode='sync'", "loop.max_staleness=0"]):
+        r = load_recipe(text=QUICKSTART, overrides=["train.old_logprobs='recompute'", *fix])
+        assert check_recipe(r) == []
+    out = subprocess.run([*MILES, "check", str(recipe)], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr
+
+
+def test_run_refuses_a_broken_recipe_before_starting_anything(tmp_path):
+    recipe = tmp_path / "broken.toml"
+    run_dir = tmp_path / "run"
+    recipe.write_text(QUICKSTART.replace('name = "quickstart"', f'name = "broken"\noutput_dir = "{run_dir}"'))
+    t0 = time.monotonic()
+    out = subprocess.run([*MILES, "run", str(recipe), "--set", "rollout.reward='no_such_module:score'"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (f"miles: {recipe}: rollout.reward = 'no_such_module:score': cannot import "
+                                  f"module 'no_such_module': No module named 'no_such_module'")
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert elapsed < 15, elapsed
+    assert not run_dir.exists()  # no node daemon, no actor, no log directory
