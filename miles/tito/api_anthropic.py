@@ -12,7 +12,10 @@ Design decisions:
 - Streaming (`stream: true`, which Claude Code always uses) replays the finished turn as the
   standard event sequence: message_start, one start/delta/stop triple per content block,
   message_delta with the stop reason, message_stop.
-- Errors use Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`.
+- Errors use Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`. As in
+  Anthropic's API, `max_tokens` is required; a text block's `text` must be a string, `system`
+  holds text blocks only, a tool's `input_schema` is an object, `thinking.type` is `enabled` or
+  `disabled`, and flags are booleans.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import uuid
 from typing import Any
 
 from miles.tito.families.base import Reply
-from miles.tito.messages import ChatMessage, RequestError, ToolCall, _short, text_of
-from miles.tito.request import ChatRequest, max_tokens, sampling_params
+from miles.tito.messages import ChatMessage, RequestError, ToolCall, _short, check_tool_schema, text_of
+from miles.tito.request import ChatRequest, boolean, max_tokens, sampling_params
 
 _NON_TEXT = ("image", "document", "search_result")
 
@@ -36,6 +39,9 @@ def _blocks(content: Any, field: str) -> list[dict]:
     for j, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise RequestError(f"{field}[{j}]: expected a content block object, got {_short(block)}", f"{field}[{j}]")
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            raise RequestError(f"{field}[{j}].text: expected a string, got {_short(block.get('text'))}",
+                               f"{field}[{j}].text")
     return content
 
 
@@ -51,7 +57,7 @@ def _user_messages(content: Any, field: str) -> list[ChatMessage]:
     for j, block in enumerate(_blocks(content, field)):
         kind = block["type"]
         if kind == "text":
-            text.append(str(block.get("text", "")))
+            text.append(block["text"])
         elif kind == "tool_result":
             flush()
             out.append(ChatMessage(role="tool", content=text_of(block.get("content"), f"{field}[{j}].content"),
@@ -68,7 +74,7 @@ def _assistant_message(content: Any, field: str) -> ChatMessage:
     for j, block in enumerate(_blocks(content, field)):
         kind = block["type"]
         if kind == "text":
-            text.append(str(block.get("text", "")))
+            text.append(block["text"])
         elif kind == "thinking":
             reasoning = (reasoning or "") + str(block.get("thinking", ""))
         elif kind == "redacted_thinking":
@@ -97,6 +103,7 @@ def _tools(raw: Any) -> list[dict] | None:
         if tool.get("type") not in (None, "custom"):
             raise RequestError(f"tools[{k}].type: server tool {tool['type']!r} is not supported; "
                                f"declare it as a custom tool", f"tools[{k}].type")
+        check_tool_schema(tool.get("input_schema"), tool.get("description"), f"tools[{k}]", "input_schema")
         fn = {"name": tool["name"], "description": tool.get("description", ""),
               "parameters": tool.get("input_schema", {"type": "object", "properties": {}})}
         out.append({"type": "function", "function": fn})
@@ -109,8 +116,12 @@ def parse_messages_request(body: Any) -> ChatRequest:
     messages: list[ChatMessage] = []
     system = body.get("system")
     if system:
-        messages.append(ChatMessage(role="system", content="\n".join(
-            b.get("text", "") for b in _blocks(system, "system") if b["type"] == "text")))
+        blocks = _blocks(system, "system")
+        for j, b in enumerate(blocks):
+            if b["type"] != "text":
+                raise RequestError(f"system[{j}].type: {b['type']!r} is not supported (expected text)",
+                                   f"system[{j}].type")
+        messages.append(ChatMessage(role="system", content="\n".join(b["text"] for b in blocks)))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise RequestError(f"messages: expected a non-empty list, got {_short(raw)}", "messages")
@@ -125,12 +136,16 @@ def parse_messages_request(body: Any) -> ChatRequest:
             raise RequestError(f"{field}.role: {_short(role)} is not one of ['user', 'assistant']", f"{field}.role")
     options = {}
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
-        options["enable_thinking"] = False
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+            raise RequestError(f"thinking: expected {{\"type\": \"enabled\" | \"disabled\", ...}}, got "
+                               f"{_short(thinking)}", "thinking")
+        if thinking["type"] == "disabled":
+            options["enable_thinking"] = False
     return ChatRequest(messages=messages, tools=_tools(body.get("tools")),
                        sampling=sampling_params(body, "stop_sequences"),
-                       max_tokens=max_tokens(body, "max_tokens"), stream=bool(body.get("stream", False)),
-                       options=options, return_routed_experts=bool(body.get("return_routed_experts", False)),
+                       max_tokens=max_tokens(body, "max_tokens", required=True), stream=boolean(body, "stream"),
+                       options=options, return_routed_experts=boolean(body, "return_routed_experts"),
                        model=str(body.get("model") or ""))
 
 

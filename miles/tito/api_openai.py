@@ -19,17 +19,24 @@ from typing import Any
 
 from miles.tito.families.base import Reply
 from miles.tito.messages import RequestError, _short, parse_openai_messages, parse_openai_tools
-from miles.tito.request import ChatRequest, max_tokens, sampling_params
+from miles.tito.request import ChatRequest, boolean, max_tokens, number, sampling_params
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError(f"body: expected a JSON object, got {_short(body)}", "body")
-    n = body.get("n", 1)
-    if n != 1:
-        raise RequestError(f"n: only 1 choice per request is supported, got {_short(n)}; "
+    if number(body, "n", integer=True) not in (None, 1):
+        raise RequestError(f"n: only 1 choice per request is supported, got {_short(body['n'])}; "
                            f"send one request per sample", "n")
-    kwargs = body.get("chat_template_kwargs") or {}
+    stream_options = body.get("stream_options")
+    stream_options = {} if stream_options is None else stream_options
+    if not isinstance(stream_options, dict):
+        raise RequestError(f"stream_options: expected an object, got {_short(stream_options)}", "stream_options")
+    if stream_options.get("include_usage") is not None and not isinstance(stream_options["include_usage"], bool):
+        raise RequestError(f"stream_options.include_usage: expected a boolean, got "
+                           f"{_short(stream_options['include_usage'])}", "stream_options.include_usage")
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise RequestError(f"chat_template_kwargs: expected an object, got {_short(kwargs)}", "chat_template_kwargs")
     options = {}
@@ -42,9 +49,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
                        tools=parse_openai_tools(body.get("tools")),
                        sampling=sampling_params(body, "stop"),
                        max_tokens=max_tokens(body, "max_completion_tokens", "max_tokens"),
-                       stream=bool(body.get("stream", False)), options=options,
-                       return_routed_experts=bool(body.get("return_routed_experts", False)),
-                       model=str(body.get("model") or ""))
+                       stream=boolean(body, "stream"), options=options,
+                       return_routed_experts=boolean(body, "return_routed_experts"),
+                       model=str(body.get("model") or ""), logprobs=boolean(body, "logprobs"),
+                       include_usage=bool(stream_options.get("include_usage")))
 
 
 def finish_reason(engine_finish: dict, reply: Reply) -> str:

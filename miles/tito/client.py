@@ -3,6 +3,9 @@
 Design decisions:
 - The rollout side only ever creates, collects and deletes sessions; the agent talks to the
   session's own OpenAI/Anthropic URL. So this client is small and has no chat methods.
+- The session token (the server's `MILES_SESSION_TOKEN`) is `token=`, else that env var, else
+  none; it goes out as `Authorization: Bearer`, and `client.token` is what an agent is handed as
+  its API key. It is never part of an error message or a repr.
 - Collected JSON becomes `miles.wire.messages.Sample`: int32 tokens, uint8 loss mask, float32
   logprobs, integer weight versions (SGLang's `"default"` is version 0) and routed experts decoded
   from base64 int32 with the shape the server sent. Every sample is validated before it is returned.
@@ -11,6 +14,7 @@ Design decisions:
 from __future__ import annotations
 
 import base64
+import os
 from typing import Any
 
 import aiohttp
@@ -45,8 +49,10 @@ def sample_from_json(d: dict[str, Any], *, group_id: str = "", index: int = 0) -
 
 
 class SessionServerClient:
-    def __init__(self, url: str, *, timeout_s: float = 60.0, session: aiohttp.ClientSession | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 60.0, session: aiohttp.ClientSession | None = None,
+                 token: str | None = None):
         self.url = url.rstrip("/")
+        self.token = token or os.environ.get("MILES_SESSION_TOKEN") or None
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._own = session is None
@@ -66,8 +72,11 @@ class SessionServerClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         data = None if body is None else msgspec.json.encode(body)
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         async with self._session.request(method, self.url + path, data=data, timeout=self.timeout,
-                                         headers={"Content-Type": "application/json"}) as r:
+                                         headers=headers) as r:
             raw = await r.read()
             obj = msgspec.json.decode(raw) if raw else None
             if r.status >= 400:

@@ -4,8 +4,11 @@ Design decisions:
 - OpenAI and Anthropic requests are both decoded into `ChatMessage`; families render and parse
   only this form, so a family never knows which API a client spoke.
 - Normalization happens once, at the boundary, and is strict: an unknown role, a non-text content
-  part or tool-call arguments that are not a JSON object are refused with an error naming the
-  field path (`messages[3].tool_calls[0].function.arguments`) and the bad value.
+  part, a system/user/tool message without `content` (an assistant one needs content, tool calls
+  or reasoning), a non-string `name` / `tool_call_id`, a tool that is not a function or whose
+  `parameters` is not an object, or tool-call arguments that are not a JSON object are refused with
+  an error naming the field path (`messages[3].tool_calls[0].function.arguments`) and the bad value.
+  `tool_call_id` itself stays optional: several harnesses omit it and templates do not need it.
 - Text content parts are joined into one string (the templates we ship render strings only);
   `developer` is OpenAI's newer name for `system` and becomes `system`.
 - Tool-call arguments are kept parsed (a dict). Templates render them with `json.dumps` (what HF's
@@ -27,14 +30,17 @@ ROLE_ALIASES = {"developer": "system"}
 
 
 class RequestError(Exception):
-    """A client error at the HTTP boundary: `status`, the offending field path and a message."""
+    """A client error at the HTTP boundary: `status`, the offending field path and a message;
+    `code` replaces the status in OpenAI's `error.code` (e.g. "invalid_api_key")."""
 
-    def __init__(self, message: str, field: str = "", status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, field: str = "", status: int = 400, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
         self.message = message
         self.field = field
         self.status = status
         self.kind = kind
+        self.code = code
 
 
 class ToolCall(msgspec.Struct, kw_only=True):
@@ -129,8 +135,16 @@ def parse_openai_message(raw: Any, i: int) -> ChatMessage:
     if reasoning is not None and not isinstance(reasoning, str):
         raise RequestError(f"{field}.reasoning_content: expected a string, got {_short(reasoning)}",
                            f"{field}.reasoning_content")
-    tool_calls: list[ToolCall] = []
     raw_calls = raw.get("tool_calls") or []
+    if raw.get("content") is None and (role != "assistant" or not (raw_calls or reasoning is not None)):
+        needs = "" if role != "assistant" else " (or tool_calls)"
+        got = "missing" if "content" not in raw else "null"
+        raise RequestError(f"{field}.content: required for a {role} message{needs}, got {got}",
+                           f"{field}.content")
+    for key in ("name", "tool_call_id"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise RequestError(f"{field}.{key}: expected a string, got {_short(raw[key])}", f"{field}.{key}")
+    tool_calls: list[ToolCall] = []
     if raw_calls and role != "assistant":
         raise RequestError(f"{field}.tool_calls: only assistant messages carry tool calls "
                            f"(role is {role!r})", f"{field}.tool_calls")
@@ -142,6 +156,8 @@ def parse_openai_message(raw: Any, i: int) -> ChatMessage:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"{cfield}.function.name: expected a non-empty string, got {_short(call)}",
                                f"{cfield}.function.name")
+        if call.get("type", "function") != "function":
+            raise RequestError(f"{cfield}.type: {_short(call['type'])} is not 'function'", f"{cfield}.type")
         args = parse_arguments(fn.get("arguments"), f"{cfield}.function.arguments")
         tool_calls.append(ToolCall(name=fn["name"], arguments=args, id=str(call.get("id") or "")))
     return ChatMessage(role=role, content=content, reasoning=reasoning, tool_calls=tool_calls,
@@ -165,4 +181,17 @@ def parse_openai_tools(raw: Any) -> list[dict[str, Any]] | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"tools[{k}].function.name: expected a non-empty string, got {_short(tool)}",
                                f"tools[{k}].function.name")
+        if tool.get("type", "function") != "function":
+            raise RequestError(f"tools[{k}].type: {_short(tool['type'])} is not 'function'", f"tools[{k}].type")
+        check_tool_schema(fn.get("parameters"), fn.get("description"), f"tools[{k}].function", "parameters")
     return raw
+
+
+def check_tool_schema(schema: Any, description: Any, field: str, schema_key: str) -> None:
+    """A tool's JSON schema is an object and its description a string (templates render both)."""
+    if schema is not None and not isinstance(schema, dict):
+        raise RequestError(f"{field}.{schema_key}: expected a JSON schema object, got {_short(schema)}",
+                           f"{field}.{schema_key}")
+    if description is not None and not isinstance(description, str):
+        raise RequestError(f"{field}.description: expected a string, got {_short(description)}",
+                           f"{field}.description")

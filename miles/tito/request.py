@@ -10,6 +10,8 @@ Design decisions:
   `metadata`, `tool_choice`, ...) are ignored, as OpenAI-compatible servers do.
 - `n` must be 1: each sample of a task is its own session (or its own request), which is what
   keeps every branch of the trajectory tree addressable.
+- Flags are JSON booleans, numbers JSON numbers: `"stream": "yes"` or `"n": true` is refused with
+  the field and value, never read by Python truthiness.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     options: dict[str, Any] = {}           # template options (enable_thinking)
     return_routed_experts: bool = False
     model: str = ""
+    logprobs: bool = False                 # OpenAI: token logprobs in the reply
+    include_usage: bool = False            # OpenAI: stream_options.include_usage
 
 
 def number(body: dict, name: str, lo: float | None = None, hi: float | None = None,
@@ -43,6 +47,15 @@ def number(body: dict, name: str, lo: float | None = None, hi: float | None = No
         raise RequestError(f"{name}: expected {kind}, got {_short(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise RequestError(f"{name}: {value!r} is outside [{lo}, {hi}]", name)
+    return value
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name}: expected a boolean, got {_short(value)}", name)
     return value
 
 
@@ -75,20 +88,19 @@ def sampling_params(body: dict, stop_field: str = "stop") -> dict[str, Any]:
     min_tokens = number(body, "min_tokens", 0, None, integer=True)
     if min_tokens:
         out["min_new_tokens"] = min_tokens
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise RequestError(f"ignore_eos: expected a boolean, got {_short(ignore_eos)}", "ignore_eos")
-        out["ignore_eos"] = ignore_eos
+    if body.get("ignore_eos") is not None:
+        out["ignore_eos"] = boolean(body, "ignore_eos")
     stop = stop_strings(body.get(stop_field), stop_field)
     if stop:
         out["stop"] = stop
     return out
 
 
-def max_tokens(body: dict, *names: str) -> int | None:
+def max_tokens(body: dict, *names: str, required: bool = False) -> int | None:
     for name in names:
         v = number(body, name, 1, None, integer=True)
         if v is not None:
             return int(v)
+    if required:
+        raise RequestError(f"{names[0]}: required, got missing", names[0])
     return None

@@ -1,7 +1,7 @@
 """The TITO session server: its own process, OpenAI/Anthropic-compatible per-session endpoints.
 
     python -m miles.tito.server --engine-url URL (--model-path DIR | --tokenizer SRC) \
-        --family qwen3 [--host 127.0.0.1] [--port N] [--max-context-tokens N]
+        --family qwen3 [--host 127.0.0.1] [--port N] [--max-context-tokens N] [--token-file PATH]
 
 Routes: `POST /sessions` -> {session_id, base_url, openai_base_url}; `GET /sessions`;
 `GET|DELETE /sessions/{id}`; `POST /sessions/{id}/v1/chat/completions` (OpenAI);
@@ -20,6 +20,15 @@ Design decisions:
   as base64 int32 plus a shape, as SGLang sends them. `miles.tito.collect` turns them into wire
   `Sample`s.
 - Idle sessions are dropped after `--session-ttl-s` so a crashed harness cannot leak memory.
+- A per-job token, when one is configured (`ServerConfig.token`, `--token-file`, else the env var
+  `MILES_SESSION_TOKEN`), is required on every route but `/health`: as `Authorization: Bearer
+  <token>` (what OpenAI clients send their API key as) or `x-api-key: <token>` (Anthropic
+  clients). Without it: 401 in the route's API error shape. The agent endpoints need it because
+  they spend the job's GPUs; the management routes because they read and delete trajectories.
+  No token configured means open (tests, laptops). The token is never logged, echoed or put on a
+  command line (`ps` shows argv to every user): a file or the environment. Comparisons are
+  constant-time. Whoever hands an agent its `base_url` hands the token as the API key
+  (`SessionServerClient.token`).
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -48,6 +59,8 @@ from miles.tito.tokenizer import ChatTokenizer, load_tokenizer
 log = logging.getLogger("miles.tito.server")
 THREAD_TOKENIZE_CHARS = 32_768      # renders at least this long are tokenized off the event loop
 MAX_BODY_BYTES = 512 * 1024 * 1024
+TOKEN_ENV = "MILES_SESSION_TOKEN"
+OPEN_PATHS = frozenset({"/health"})  # probes carry no credentials
 
 
 class ServerConfig(msgspec.Struct, kw_only=True):
@@ -61,6 +74,21 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     engine_timeout_s: float = 600.0
     session_ttl_s: float = 3600.0
     routed_experts_layout: tuple[int, int] | None = None
+    token: str | None = None  # None: MILES_SESSION_TOKEN if set, else open; never logged
+
+    def __repr__(self) -> str:  # a config may be logged whole; the token must not be
+        fields = {f: getattr(self, f) for f in self.__struct_fields__}
+        fields["token"] = "<set>" if self.token else None
+        return f"ServerConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
+def request_token(request: web.Request) -> str | None:
+    """The credential a client sent: `Authorization: Bearer <t>` or `x-api-key: <t>`."""
+    auth = request.headers.get("Authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return request.headers.get("x-api-key") or None
 
 
 class SessionServer:
@@ -73,10 +101,11 @@ class SessionServer:
         if self.family.end_of_turn not in self.tokenizer.added_ids:
             raise ValueError(f"family {self.family.name!r}: end-of-turn token {self.family.end_of_turn!r} is "
                              f"not in the vocabulary of {config.tokenizer!r}")
+        self._token = (config.token or os.environ.get(TOKEN_ENV) or "").encode() or None
         self.engine: TurnEngine | None = None
         self.sessions: dict[str, Session] = {}
         self.last_used: dict[str, float] = {}
-        self.stats = {"turns": 0, "inflight": 0, "inflight_max": 0, "errors": 0,
+        self.stats = {"turns": 0, "inflight": 0, "inflight_max": 0, "errors": 0, "unauthorized": 0,
                       "prepare_ms_last": 0.0, "prepare_ms_max": 0.0, "appended_tokens_last": 0}
 
     # -- app -------------------------------------------------------------------------------
@@ -116,10 +145,11 @@ class SessionServer:
     async def _errors(self, request: web.Request, handler):
         anthropic = request.path.endswith("/v1/messages")
         try:
+            self._authorize(request, anthropic)
             return await handler(request)
         except RequestError as e:
             self.stats["errors"] += 1
-            return _error(e.status, e.message, e.kind, e.field, anthropic)
+            return _error(e.status, e.message, e.kind, e.field, anthropic, code=e.code)
         except EngineTurnError as e:
             self.stats["errors"] += 1
             return _error(e.status, e.message, "engine_error", "", anthropic, retryable=e.retryable)
@@ -129,6 +159,20 @@ class SessionServer:
             self.stats["errors"] += 1
             log.exception("internal error on %s", request.path)
             return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error", "", anthropic)
+
+    def _authorize(self, request: web.Request, anthropic: bool) -> None:
+        if self._token is None or request.path in OPEN_PATHS:
+            return
+        sent = request_token(request)
+        if sent is not None and hmac.compare_digest(sent.encode(), self._token):
+            return
+        self.stats["unauthorized"] += 1
+        header = "x-api-key" if anthropic else "Authorization"
+        what = "missing API key" if sent is None else "invalid API key"
+        raise RequestError(f"{header}: {what}; send the job's session token ({TOKEN_ENV}) as "
+                           "`Authorization: Bearer <token>` or `x-api-key: <token>`", header, status=401,
+                           kind="authentication_error" if anthropic else "invalid_request_error",
+                           code="invalid_api_key")
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -221,13 +265,13 @@ class SessionServer:
         req = api_openai.parse_chat_request(body)
         reply, turn, out = await self.run_turn(session, req)
         token_logprobs = None
-        if body.get("logprobs"):
+        if req.logprobs:
             token_logprobs = [(self.tokenizer.id_to_token(t) or "", lp) for t, lp in zip(out.output_ids, out.logprobs)]
         response = api_openai.chat_response(req, reply, turn, token_logprobs)
         if not req.stream:
             return _json_response(response)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await _sse(request, [(None, c) for c in api_openai.stream_chunks(response, include_usage)], done=True)
+        return await _sse(request, [(None, c) for c in api_openai.stream_chunks(response, req.include_usage)],
+                          done=True)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
@@ -288,13 +332,17 @@ def _json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str, kind: str, field: str, anthropic: bool, retryable: bool = False) -> web.Response:
+def _error(status: int, message: str, kind: str, field: str, anthropic: bool, retryable: bool = False,
+           code: str | None = None) -> web.Response:
     if anthropic:
         body = {"type": "error", "error": {"type": kind, "message": message}}
     else:
-        body = {"error": {"message": message, "type": kind, "param": field or None, "code": status,
+        body = {"error": {"message": message, "type": kind, "param": field or None, "code": code or status,
                           "retryable": retryable}}
-    return _json_response(body, status)
+    resp = _json_response(body, status)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = "Bearer"
+    return resp
 
 
 async def _sse(request: web.Request, events: list[tuple[str | None, dict]], done: bool) -> web.StreamResponse:
@@ -321,7 +369,9 @@ def _model_defaults(model_path: str | None) -> tuple[int | None, tuple[int, int]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m miles.tito.server", description="Miles TITO session server")
+    # No abbreviations: `--token SECRET` must fail, not be read as `--token-file SECRET`.
+    ap = argparse.ArgumentParser(prog="python -m miles.tito.server", description="Miles TITO session server",
+                                 allow_abbrev=False)
     ap.add_argument("--engine-url", required=True, help="SGLang engine or smg gateway base URL")
     ap.add_argument("--model-path", default=None, help="model directory (tokenizer.json, config.json)")
     ap.add_argument("--tokenizer", default=None, help="qwen | directory | tokenizer.json (default: --model-path)")
@@ -333,8 +383,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--message-matcher", default="default", help="default | strict | role_content | module:function")
     ap.add_argument("--engine-timeout-s", type=float, default=600.0)
     ap.add_argument("--session-ttl-s", type=float, default=3600.0)
+    ap.add_argument("--token-file", default=None,
+                    help=f"a file holding the per-job token the endpoints require (default: ${TOKEN_ENV}; "
+                         "neither: open). Not a flag value: argv is visible to every user")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
+    token = None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as e:
+            ap.error(f"--token-file {args.token_file}: {e.strerror}")
+        if not token:
+            ap.error(f"--token-file {args.token_file}: the file is empty")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokenizer = args.tokenizer or args.model_path
     if tokenizer is None:
@@ -343,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(engine_url=args.engine_url, tokenizer=tokenizer, family=args.family, host=args.host,
                           port=args.port, max_context_tokens=args.max_context_tokens or context or 32768,
                           message_matcher=args.message_matcher, engine_timeout_s=args.engine_timeout_s,
-                          session_ttl_s=args.session_ttl_s, routed_experts_layout=layout)
+                          session_ttl_s=args.session_ttl_s, routed_experts_layout=layout, token=token)
     server = SessionServer(config)
     try:
         import uvloop

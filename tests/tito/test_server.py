@@ -231,3 +231,66 @@ async def test_session_lifecycle(stack):
         assert r.status == 200
     async with http.get(f"{url}/sessions/my-task-3") as r:
         assert r.status == 404
+
+
+async def test_missing_and_mistyped_fields_are_refused_in_each_apis_shape(stack):
+    """Issue 15 item 12: a user message without content, `"stream": "yes"` and an Anthropic request
+    without max_tokens were accepted; each (and their kin) is a 400 naming the field and value."""
+    engine, _, url, http = stack
+    s = await new_session(http, url)
+    chat, messages = s["openai_base_url"] + "/chat/completions", s["base_url"] + "/v1/messages"
+    user = [{"role": "user", "content": "x"}]
+    n_engine = len(engine.requests)
+    openai_cases = [
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "required for a user message, got missing"),
+        ({"messages": [{"role": "system", "content": None}, *user]}, "messages[0].content", "got null"),
+        ({"messages": [*user, {"role": "assistant"}]}, "messages[1].content", "(or tool_calls)"),
+        ({"messages": [*user, {"role": "tool", "content": None}]}, "messages[1].content", "tool message"),
+        ({"messages": user, "stream": "yes"}, "stream", "stream: expected a boolean, got 'yes'"),
+        ({"messages": user, "logprobs": 1}, "logprobs", "logprobs: expected a boolean, got 1"),
+        ({"messages": user, "return_routed_experts": "no"}, "return_routed_experts", "expected a boolean"),
+        ({"messages": user, "stream": True, "stream_options": {"include_usage": "y"}},
+         "stream_options.include_usage", "expected a boolean, got 'y'"),
+        ({"messages": user, "stream_options": []}, "stream_options", "expected an object"),
+        ({"messages": user, "n": True}, "n", "n: expected an integer, got True"),
+        ({"messages": user, "n": 3}, "n", "got 3"),
+        ({"messages": user, "max_tokens": 2.5}, "max_tokens", "expected an integer, got 2.5"),
+        ({"messages": [{"role": 7, "content": "x"}]}, "messages[0].role", "7 is not one of"),
+        ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", "expected a string"),
+        ({"messages": user, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type",
+         "'retrieval' is not 'function'"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+         "tools[0].function.parameters", "expected a JSON schema object, got '{}'"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f", "description": 3}}]},
+         "tools[0].function.description", "expected a string, got 3"),
+        ({"messages": [*user, {"role": "assistant", "tool_calls": [{"type": "x", "function": {"name": "f"}}]}]},
+         "messages[1].tool_calls[0].type", "'x' is not 'function'"),
+    ]
+    for body, param, text in openai_cases:
+        got, err = await post(http, chat, body)
+        assert got == 400, (body, err)
+        e = err["error"]
+        assert e["type"] == "invalid_request_error" and e["param"] == param and text in e["message"], (body, err)
+    base = {"max_tokens": 8, "messages": user}
+    anthropic_cases = [
+        ({"messages": user}, "max_tokens: required"),
+        ({**base, "stream": "yes"}, "stream: expected a boolean, got 'yes'"),
+        ({**base, "messages": [{"role": "user"}]}, "messages[0].content: expected a string or a list"),
+        ({**base, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages[0].content[0].text: expected a string, got None"),
+        ({**base, "system": [{"type": "image", "source": {}}]}, "system[0].type: 'image' is not supported"),
+        ({**base, "tools": [{"name": "f", "input_schema": "object"}]}, "tools[0].input_schema: expected a JSON"),
+        ({**base, "thinking": {"type": "maybe"}}, "thinking: expected"),
+        ({**base, "max_tokens": 0}, "max_tokens: 0 is outside"),
+    ]
+    for body, text in anthropic_cases:
+        got, err = await post(http, messages, body)
+        assert got == 400 and err["type"] == "error", (body, err)
+        assert err["error"]["type"] == "invalid_request_error" and text in err["error"]["message"], (body, err)
+    assert len(engine.requests) == n_engine  # nothing reached the engine
+    # what is allowed stays allowed: an assistant turn of only tool calls, or of only reasoning
+    engine.reply("ok")
+    got, err = await post(http, chat, {"messages": [*user, {"role": "assistant", "content": None,
+                                                            "reasoning_content": "hmm"},
+                                                    {"role": "user", "content": "y"}]})
+    assert got == 200, err
