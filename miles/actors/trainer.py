@@ -59,31 +59,118 @@ class Trainer(Actor):
         metrics = await self._run(self.backend.train, msg.samples)
         return TrainResult(metrics={k: float(v) for k, v in metrics.items()})
 
-    async def _ensure_publisher(self):
-        if self.publisher is None:
-            from miles.weights.publisher import WeightPublisher, make_transport
-
+    async def _ensure_publisher(self, engine_urls: list[str] | None = None):
+        """Connect the transport (and on rank 0 the publisher) to `engine_urls`, by default the
+        fleet's serving engines; a set other than the connected one closes and reconnects (every
+        rank gets the same set from the driver, so every rank does the same)."""
+        connected = getattr(self, "engine_urls", None)
+        if engine_urls is None:
+            if connected is not None:
+                return self.publisher
             engines = await self.runtime.ref("engines").call(GetEngines(), timeout_s=600)
-            cfg = self.recipe.weights
+            engine_urls = engines.engine_urls
+        if connected is not None and set(engine_urls) == set(connected):
+            return self.publisher
+        from miles.weights.publisher import WeightPublisher, make_transport
+
+        cfg = self.recipe.weights
+        if self.publisher is not None:
+            await self.publisher.close()
+            self.publisher = None
+        self.engine_urls = None
+        if getattr(self, "transport", None) is None:
             self.transport = make_transport(cfg, rank=self.rank, recipe=self.recipe)
-            await asyncio.to_thread(self.transport.connect, engines.engine_urls)
-            if self.rank.rank == 0:
-                self.publisher = WeightPublisher(cfg, engines.engine_urls, self.transport)
+        else:  # the same object, so an nccl group rebuilt for the new set gets a fresh name
+            await asyncio.to_thread(self.transport.close)
+        await asyncio.to_thread(self.transport.connect, list(engine_urls))
+        self.engine_urls = list(engine_urls)
+        if self.rank.rank == 0:
+            self.publisher = WeightPublisher(cfg, list(engine_urls), self.transport)
         return self.publisher
 
     async def on_publish_weights(self, msg: PublishWeights) -> Ok:
-        publisher = await self._ensure_publisher()
+        """Publish `msg.version` to `msg.engine_urls` (or the connected set). An engine that dies
+        before or during it is dropped: the ranks agree on the survivors, reconnect and publish
+        again (the gather is collective, so every rank repeats it); only with no engine left, or a
+        failure that no death explains, does the publish fail."""
         version = msg.version
+        targets = list(msg.engine_urls) or None
 
         def run_update() -> None:
             self.backend.update_weights(self.transport, version)
 
         async with self.lock:
-            if publisher is not None:
-                await publisher.publish(version, run_update)
-            else:
-                await asyncio.to_thread(run_update)
-        return Ok(detail=f"version {version}")
+            asked = list(targets or getattr(self, "engine_urls", None) or [])
+            while True:
+                try:
+                    await self._ensure_publisher(targets)
+                    error = None
+                except Exception as e:  # noqa: BLE001 - settled by every rank below
+                    error = e
+                verdict = await self._settle(error, targets)
+                if verdict[0] == "ok":
+                    try:
+                        if self.publisher is not None:
+                            await self.publisher.publish(version, run_update)
+                        else:
+                            await asyncio.to_thread(run_update)
+                        error = None
+                    except Exception as e:  # noqa: BLE001
+                        error = e
+                    verdict = await self._settle(error, targets)
+                    if verdict[0] == "ok":
+                        dropped = sorted(set(asked) - set(self.engine_urls))
+                        return Ok(detail=f"version {version}" + (
+                            f"; dropped dead engines {dropped}" if dropped else ""))
+                if verdict[0] == "fail":
+                    raise RuntimeError(verdict[1])
+                log.warning("publish of version %d: engines %s did not answer; publishing to the "
+                            "survivors %s", version, verdict[2], verdict[1])
+                targets = verdict[1]
+
+    async def _settle(self, error: Exception | None, targets: list[str] | None) -> tuple:
+        """Every rank's outcome of one step -> one verdict for all: ("ok",), ("fail", message)
+        or ("retry", survivors, dead). Rank 0 decides which engines survive."""
+        from miles.weights.publisher import reachable_engines
+
+        if error is None:
+            verdict: tuple = ("ok",)
+        else:
+            verdict = ("fail", f"{type(error).__name__}: {error}")
+            if self.rank.rank == 0:
+                asked = list(targets or getattr(self, "engine_urls", None) or [])
+                alive = await reachable_engines(asked, timeout_s=self.recipe.weights.control_timeout_s)
+                if alive and len(alive) < len(asked):
+                    verdict = ("retry", alive, sorted(set(asked) - set(alive)))
+                elif not alive and asked:
+                    verdict = ("fail", f"{verdict[1]} (no engine of {asked} answers any more)")
+        if self.rank.world_size == 1:
+            return verdict
+        verdicts = await asyncio.to_thread(self._exchange, verdict)
+        failed = [v for v in verdicts[1:] if v[0] == "fail"]
+        return tuple(failed[0]) if failed else tuple(verdicts[0])
+
+    def _exchange(self, verdict: tuple) -> list:
+        """All-gather one small msgspec-encoded value per rank over a gloo group of its own."""
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        if getattr(self, "_verdict_group", None) is None:
+            w = self.recipe.weights
+            self._verdict_group = dist.new_group(backend="gloo", timeout=timedelta(
+                seconds=w.connect_timeout_s + w.transfer_timeout_s + w.check_timeout_s))
+        data = msgspec.msgpack.encode(list(verdict))
+        n = self.rank.world_size
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self._verdict_group)
+        longest = int(max(s.item() for s in sizes))
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(n)]
+        dist.all_gather(out, mine, group=self._verdict_group)
+        return [msgspec.msgpack.decode(bytes(t[:int(s.item())].tolist())) for t, s in zip(out, sizes)]
 
     async def on_save_checkpoint(self, msg: SaveCheckpoint) -> Ok:
         await self._run(lambda: self.backend.save_model(msg.path, hf=msg.hf, extra_state=msg.extra_state))

@@ -28,6 +28,10 @@ Design decisions:
 - The version is set on every engine with `/update_weight_version` after the transfer (by the
   transport itself when it says `sets_version`), so requests that crossed the update report both
   versions in their `weight_versions` spans.
+- The publisher publishes to the set it was made with. Surviving an engine that dies during a
+  publish is the trainer's job (actors/trainer.py): it asks `reachable_engines()`, reconnects the
+  transport to the survivors and publishes again, because the gather that feeds the transport is
+  a collective that every trainer rank must repeat.
 - `check_weights` compares every engine parameter's checksum (`/weights_checksum`, the
   `weights.checksum` algorithm) with what the trainer sent (checks.py) after the engines are
   resumed, and raises on the first mismatch.
@@ -41,6 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import msgspec
 
 from miles.engines.client import EngineClient, EngineError
@@ -104,6 +109,9 @@ class WeightPublisher:
         for c in self._clients or []:
             await c.close()
         self._clients = None
+
+    async def reachable_engines(self) -> list[str]:
+        return await reachable_engines(self.engine_urls, timeout_s=self.cfg.control_timeout_s)
 
     # ---- publish -----------------------------------------------------------------------------
 
@@ -287,6 +295,23 @@ class WeightPublisher:
                                   "extension") from None
         for url, engine in zip(self.engine_urls, sums):
             compare_checksums(sent, engine, url=url, version=version)
+
+
+async def reachable_engines(engine_urls: list[str], *, timeout_s: float) -> list[str]:
+    """The engines of `engine_urls` that still answer (`/model_info`, which answers while paused);
+    after a failed publish the others are taken for dead and left to the fleet's restart."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def answers(url: str) -> bool:
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with session.get(url.rstrip("/") + "/model_info") as resp:
+                    return resp.status < 500
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    alive = await asyncio.gather(*(answers(u) for u in engine_urls))
+    return [u for u, ok in zip(engine_urls, alive) if ok]
 
 
 def _reason(e: BaseException, timeout_s: float) -> str:

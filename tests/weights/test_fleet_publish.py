@@ -1,0 +1,90 @@
+"""A publish survives engines that die before or during it, and follows the fleet's engine set.
+
+A real Trainer actor (FSDP, one gloo rank, in this process) publishes to real embedded engines over
+the nccl transport's code path (a gloo group) and over disk, with check_weights on: an engine
+killed mid-transfer or before the pause is dropped and the survivors get the whole version; a new
+set in `PublishWeights.engine_urls` (a restarted engine) reconnects the transport; with no engine
+left the publish fails and says so."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miles.actors.trainer import Trainer
+from miles.backends import TrainConfig
+from miles.config import Recipe, RunConfig
+from miles.engines.client import EngineClient
+from miles.rl.config import ModelConfig
+from miles.tiny import build_tiny_model
+from miles.weights import WeightsConfig
+from miles.wire.messages import PublishWeights
+from weights_helpers import start_engines, stop_engines
+
+
+async def _versions(engines) -> list[str]:
+    out = []
+    for e in engines:
+        async with EngineClient(e.url, timeout_s=10, max_retries=0) as c:
+            out.append(str((await c.model_info()).get("weight_version")))
+    return out
+
+
+def _kill(engine) -> None:
+    engine.process.kill()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "disk"])
+async def test_publish_drops_dead_engines_and_follows_the_engine_set(tmp_path, transport):
+    path = str(build_tiny_model(arch="qwen3"))
+    recipe = Recipe(run=RunConfig(output_dir=str(tmp_path / "run")), model=ModelConfig(path=path),
+                    train=TrainConfig(model_path=path, param_dtype="float32", lr=1e-3,
+                                      max_tokens_per_microbatch=4096),
+                    weights=WeightsConfig(transport=transport, check_weights=True,
+                                          disk_dir=str(tmp_path / "weights"), bucket_bytes=1 << 20,
+                                          direct_min_bytes=0, connect_timeout_s=30.0,
+                                          control_timeout_s=5.0, pause_timeout_s=10.0,
+                                          bucket_timeout_s=30.0, group_timeout_s=30.0))
+    e0, e1, e2 = engines = await start_engines(path, 3, tmp_path)
+    trainer = Trainer()
+    trainer.recipe = recipe
+    await trainer.on_start()
+    try:
+        await trainer.on_publish_weights(PublishWeights(version=1, engine_urls=[e0.url, e1.url]))
+        assert await _versions([e0, e1]) == ["1", "1"]
+
+        # e1 dies after the first bucket of version 2 went out.
+        buckets = trainer.backend.iter_hf_weight_buckets
+
+        def dying_midway():
+            for k, bucket in enumerate(buckets()):
+                yield bucket
+                if k == 0:
+                    _kill(e1)
+        trainer.backend.iter_hf_weight_buckets = dying_midway
+        reply = await asyncio.wait_for(trainer.on_publish_weights(PublishWeights(version=2)), 120)
+        trainer.backend.iter_hf_weight_buckets = buckets
+        assert f"dropped dead engines {[e1.url]}" in reply.detail, reply.detail
+        assert trainer.engine_urls == [e0.url]
+        assert await _versions([e0]) == ["2"]
+
+        # The fleet's new set (e2 stands for e1's restart): the transport reconnects to it.
+        await trainer.on_publish_weights(PublishWeights(version=3, engine_urls=[e0.url, e2.url]))
+        assert set(trainer.engine_urls) == {e0.url, e2.url}
+        assert await _versions([e0, e2]) == ["3", "3"]
+
+        # An engine that died before the publish (its pause fails): the survivor gets the version.
+        _kill(e0)
+        reply = await asyncio.wait_for(trainer.on_publish_weights(
+            PublishWeights(version=4, engine_urls=[e0.url, e2.url])), 120)
+        assert e0.url in reply.detail and trainer.engine_urls == [e2.url]
+        assert await _versions([e2]) == ["4"]
+
+        # No engine left: the publish fails, naming why.
+        _kill(e2)
+        with pytest.raises(RuntimeError, match="no engine of .* answers"):
+            await asyncio.wait_for(trainer.on_publish_weights(PublishWeights(version=5)), 120)
+    finally:
+        await trainer.on_stop()
+        await stop_engines(engines)
