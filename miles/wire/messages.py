@@ -430,8 +430,11 @@ class Evaluate(Message):
 
 class EvalResult(Message):
     step: int
-    version: int
+    version: int                    # the version the engines served (shared mode: the oldest in
+                                    # the responses' weight_versions spans), not the one requested
     ok: bool
     metrics: dict[str, float] = {}
     lag_s: float = 0.0              # from the request (the step's end) to the result
     error: str = ""
+    version_max: int = -1           # the newest version served; > version when an update crossed
+                                    # the evaluation (-1: not known, e.g. external mode)
