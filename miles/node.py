@@ -59,6 +59,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import zmq
+
 from miles.actors.base import Actor, ActorError, Registry, Runtime, run_event_loop
 from miles.config import ActorSpec, Recipe, recipe_to_json
 from miles.supervise import LogFollower, SupervisedProcess, read_log_tail
@@ -227,16 +229,16 @@ class NodeDaemon(Actor):
         cl = self.recipe.cluster
         runtime = Runtime(registry=self.registry_endpoint, name=self.name,
                           node_rank=self.node.node_rank)
-        if self.node.node_rank == 0:
-            self.registry_actor = Registry(liveness_timeout_s=cl.liveness_timeout_s)
-            await self.registry_actor.start(runtime, host=self.node.host, port=cl.head_port,
-                                            register=False)
         self.heartbeat_interval_s = cl.heartbeat_interval_s
         try:
+            if self.node.node_rank == 0:
+                self.registry_actor = Registry(liveness_timeout_s=cl.liveness_timeout_s)
+                await self.registry_actor.start(runtime, host=self.node.host, port=cl.head_port,
+                                                register=False)
             await self.start(runtime, host=self.node.host)
-        except (ActorError, OSError) as e:
-            self._log(f"could not register with the registry at {self.registry_endpoint} "
-                      f"(cluster.head_port = {cl.head_port}): {e}")
+        except (ActorError, OSError, zmq.ZMQError) as e:
+            self._log(f"cannot start the registry or register with it at {self.registry_endpoint}"
+                      f" (cluster.head_port = {cl.head_port}): {e}")
             runtime.close()
             return 1
         watchers = [asyncio.create_task(self._watch_liveness()),

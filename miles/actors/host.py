@@ -67,7 +67,7 @@ async def host(actor: Actor, runtime: Runtime, bind_host: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    code = 0
+    code, failure = 0, None
     try:
         await actor.start(runtime, host=bind_host)
         if type(actor).run is not Actor.run:
@@ -87,10 +87,21 @@ async def host(actor: Actor, runtime: Runtime, bind_host: str) -> int:
                 code = int(run_task.result() or 0)
         else:
             await actor.serve_forever()
+    except Exception as e:  # caught here, so its traceback starts at the actor's own frames
+        failure = e
     finally:
-        await _close(actor, stopping)
+        await _close(actor, quiet=stopping or failure is not None)
         runtime.close()
+    if failure is not None:
+        _report(failure)
+        return 1
     return code
+
+
+def _report(e: BaseException) -> None:
+    traceback.print_exception(e, file=sys.stdout)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"error: {type(e).__name__}" + (f": {first}" if first else ""), flush=True)
 
 
 def _quiet(loop: asyncio.AbstractEventLoop, context: dict) -> None:
@@ -98,13 +109,13 @@ def _quiet(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     log.debug("while stopping: %s", context.get("exception") or context.get("message"))
 
 
-async def _close(actor: Actor, stopping: bool) -> None:
+async def _close(actor: Actor, quiet: bool) -> None:
     if getattr(actor, "server", None) is None:  # start() failed before binding
         return
     try:
         await actor.close()
     except Exception as e:  # one line: a failure to stop must not hide why we stopped
-        if not stopping:
+        if not quiet:
             print(f"{actor.name}: error while stopping: {type(e).__name__}: {e}", flush=True)
 
 
@@ -132,9 +143,7 @@ def main() -> int:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except Exception as e:
-        traceback.print_exc(file=sys.stdout)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"error: {type(e).__name__}: {first}".rstrip(": "), flush=True)
+        _report(e)
         return 1
 
 
