@@ -4,6 +4,7 @@
     backend = make_backend(cfg.backend)          # "fsdp" | "megatron"
     backend.init(cfg, RankInfo.from_env(), loss_cfg)
     metrics = backend.train(samples)             # the whole step batch, on every rank
+    backend.train(samples, TrainPhase("sft", sft_loss, sft_cfg))  # another phase: its own optimizer
     backend.update_weights(transport, version)
     backend.save_model(path) / backend.load_model(path) / backend.save_model(path, hf=True)
     backend.sleep(); backend.wake_up()
@@ -16,7 +17,8 @@ import importlib
 
 # Lazy (PEP 562): the recipe loader reads `miles.backends.config` in every process; torch is
 # only imported where a backend actually runs.
-_EXPORTS = {"RankInfo": "base", "TrainingBackend": "base", "make_backend": "base", "TrainConfig": "config"}
+_EXPORTS = {"RankInfo": "base", "TrainPhase": "base", "TrainingBackend": "base", "make_backend": "base",
+            "TrainConfig": "config"}
 
 
 def __getattr__(name: str):
@@ -25,4 +27,4 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'miles.backends' has no attribute {name!r}")
     return getattr(importlib.import_module(f"miles.backends.{module}"), name)
 
-__all__ = ["RankInfo", "TrainConfig", "TrainingBackend", "make_backend"]
+__all__ = ["RankInfo", "TrainConfig", "TrainPhase", "TrainingBackend", "make_backend"]

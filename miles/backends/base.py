@@ -1,7 +1,7 @@
 """The training-backend contract: five methods, and the factory that picks a backend by name.
 
     init(config, rank, loss)            build model, optimizer, parallel layout
-    train(samples) -> metrics           one batch: log-prob recompute, loss, backward, optimizer step(s)
+    train(samples, phase=None) -> metrics   one batch: log-prob recompute, loss, backward, optimizer step(s)
     update_weights(transport, version)  push the current weights through a WeightTransport
     save_model(path, hf=False, ...)     resumable checkpoint, or an HF directory; load_model resumes
     sleep() / wake_up()                 give device memory to a colocated engine and take it back
@@ -14,6 +14,13 @@ Design decisions:
 - Nothing above this line knows which backend runs: `make_backend(config.backend)` is the only
   place a name turns into a class, and it imports the backend module lazily (Megatron's imports
   must not be needed to run FSDP).
+- A `TrainPhase` (name, loss, config) says which objective and schedule a `train` call runs; the
+  caller passes it with every call instead of setting attributes on the backend, so no call can
+  run with another call's config. `phase=None` is the main phase that `init` was given (named
+  "rl"). Each phase name has its OWN optimizer state and step count, hence its own lr schedule
+  position: an SFT warm-start neither shifts the RL schedule nor hands its Adam moments to RL.
+  `step`, `save_model` and `load_model` cover the main phase; another phase's optimizer state is
+  transient (dropped when the main phase next trains) and never checkpointed.
 - `RankInfo` comes from torchrun's environment variables; the node daemon sets them when it
   spawns trainer ranks, and tests set them by hand.
 - This package never imports `miles.actors`: actors host backends, not the other way round.
@@ -68,6 +75,20 @@ class RankInfo:
                              f"WORLD_SIZE={self.world_size} > 1")
 
 
+MAIN_PHASE = "rl"
+
+
+@dataclass(frozen=True)
+class TrainPhase:
+    """One training phase: its objective and its optimizer/schedule knobs (lr, warmup, decay, ...).
+
+    The model-defining parts of `config` (model path, dtypes, attention) are the ones `init` was
+    given; a phase changes how it trains, not what."""
+    name: str
+    loss: LossConfig
+    config: TrainConfig
+
+
 class TrainingBackend(ABC):
     """One trainer rank's view of the model. Every rank makes the same calls in the same order."""
 
@@ -78,9 +99,10 @@ class TrainingBackend(ABC):
         """Join the trainer group, load `config.model_path`, shard it, build the optimizer."""
 
     @abstractmethod
-    def train(self, samples: Sequence[Sample]) -> Metrics:
+    def train(self, samples: Sequence[Sample], phase: TrainPhase | None = None) -> Metrics:
         """Train on one batch (the whole batch, on every rank); return step metrics (same on all ranks).
 
+        `phase`: which objective, schedule and optimizer state (None: the main phase of `init`).
         Refuses a bad batch with ValueError naming the sample and field, before any optimizer step.
         """
 
@@ -113,7 +135,7 @@ class TrainingBackend(ABC):
     @property
     @abstractmethod
     def step(self) -> int:
-        """Optimizer steps taken so far (restored by load_model)."""
+        """Optimizer steps of the main phase so far (restored by load_model)."""
 
     def close(self) -> None:
         """Release the process group and device memory (optional)."""

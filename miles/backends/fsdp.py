@@ -17,6 +17,19 @@ Design decisions:
   forward runs, so that forward's detached log-probs *are* the recomputed old log-probs and a second
   forward would be wasted work ("auto"). Several steps per batch, or KL reward shaping, need a
   separate pass before the first step.
+- Phases (base.py): `train(samples, phase)` reads every objective and schedule knob from the phase
+  it is given, never from attributes a caller may change between calls. Each phase name has its own
+  AdamW and step count; the main phase's ("rl", built at init) is the one checkpoints and `step`
+  cover. Another phase's optimizer is built at its first step and dropped when the main phase next
+  trains, so a warm-start costs one extra optimizer state only while it runs, and RL begins at step
+  0 of its own schedule with empty Adam moments.
+- Old log-probs by `train.old_logprobs`: "rollout" uses the engine's log-probs of the sampled
+  tokens as pi_old in every loop mode (sync, one-step-off, fully async: the PPO ratio is then
+  against the policy that actually sampled, so stale samples are clipped), refusing a sample
+  without them; "recompute" runs a no-grad pass with the current weights; "auto" is "recompute"
+  with several steps per batch and otherwise the training forward's own detached log-probs (ratio
+  exactly 1: on-policy only; the recipe loader turns "auto" into "rollout" for stale loops).
+  With "rollout", TIS/MIS weights pi_old / pi_rollout are 1 by construction (a warning says so).
 - A step whose gradient norm is not finite is skipped (no update, `skipped_steps` = 1) rather than
   poisoning the weights; the caller sees it in the metrics.
 - FSDP2 leaves the root unsharded after a forward without backward; everything that reads the
@@ -46,7 +59,7 @@ from miles.algo import LossConfig, compute_advantages, compute_policy_loss, loss
 from miles.algo.layout import cu_seqlens_from_lengths
 from miles.algo.losses import kl_penalty
 from miles.backends import attention
-from miles.backends.base import Metrics, RankInfo, TrainingBackend
+from miles.backends.base import MAIN_PHASE, Metrics, RankInfo, TrainingBackend, TrainPhase
 from miles.backends.batch import CheckedBatch, find_batch_error, number_batch
 from miles.backends.checkpoint import load_checkpoint, save_checkpoint
 from miles.backends.config import TrainConfig
@@ -72,9 +85,14 @@ class FSDPBackend(TrainingBackend):
         self.cfg: TrainConfig | None = None
         self.policy: PackedPolicy | None = None
         self.ref: PackedPolicy | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._step = 0
+        self._optimizers: dict[str, torch.optim.Optimizer] = {}  # per phase name; MAIN_PHASE first
+        self._steps: dict[str, int] = {}
         self._offload = HostOffload()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The main phase's optimizer: what checkpoints save and restore."""
+        return self._optimizers.get(MAIN_PHASE)
 
     # ------------------------------------------------------------------ init
     def init(self, config: TrainConfig, rank: RankInfo, loss: LossConfig | None = None) -> None:
@@ -83,15 +101,11 @@ class FSDPBackend(TrainingBackend):
             raise ValueError(f"train.backend={config.backend!r} given to the FSDP backend")
         if not config.model_path:
             raise ValueError("train.model_path is empty; it must name an HF safetensors directory")
-        if loss.advantage_estimator == "ppo":
-            raise NotImplementedError("advantage_estimator='ppo' needs a critic, which the FSDP "
-                                      "backend does not build yet; use grpo/gspo/reinforce_plus_plus")
-        if loss.opd_kl_coef > 0:
-            raise NotImplementedError("opd_kl_coef > 0 needs teacher log-probs, which the FSDP "
-                                      "backend does not compute yet")
-        if loss.reduction == "constant" and loss.max_response_tokens < 1:
-            raise ValueError("algo.max_response_tokens = 0: the 'constant' loss reduction (Dr. GRPO) divides "
-                             "by the generation budget; set it (the trainer actor fills in rollout.max_new_tokens)")
+        _check_loss(loss)
+        if loss.loss_type == "policy" and config.old_logprobs == "rollout" and (loss.use_tis or loss.use_mis):
+            log.warning("train.old_logprobs = 'rollout' with algo.%s = true: the IS weight pi_old / pi_rollout "
+                        "is 1 by construction (the PPO ratio already compares with the sampling policy)",
+                        "use_tis" if loss.use_tis else "use_mis")
         rank.check()
         self.cfg, self.loss_cfg, self.rank = config, loss, rank
         self.device = pick_device(rank)
@@ -106,18 +120,17 @@ class FSDPBackend(TrainingBackend):
             attention.register()
             attention.enable_varlen_kernel(self.device, self.compute_dtype)
         self.mesh = init_device_mesh(self.device.type, (rank.world_size,))
-        self.shaping_kl = loss.kl_coef > 0 and loss.advantage_estimator in SHAPING_ESTIMATORS
         use_ref = config.use_ref_model
         if use_ref is None:
-            use_ref = loss.kl_loss_coef > 0 or self.shaping_kl
-        elif not use_ref and (loss.kl_loss_coef > 0 or self.shaping_kl):
+            use_ref = _needs_ref(loss)
+        elif not use_ref and _needs_ref(loss):
             raise ValueError("train.use_ref_model=false but the loss has a KL term "
                              f"(kl_loss_coef={loss.kl_loss_coef}, kl_coef={loss.kl_coef})")
         self.policy = self._build(config.model_path, trainable=True)
         self.ref = self._build(config.ref_model_path or config.model_path, trainable=False) if use_ref else None
         self.vocab_size = int(self.policy.lm.config.vocab_size)
-        self.optimizer = build_adamw(self.policy, config, self.device)
-        self._step = 0
+        self._optimizers = {MAIN_PHASE: build_adamw(self.policy, config, self.device)}
+        self._steps = {MAIN_PHASE: 0}
 
     def _build(self, path: str, *, trainable: bool) -> PackedPolicy:
         from transformers import AutoModelForCausalLM
@@ -155,32 +168,58 @@ class FSDPBackend(TrainingBackend):
 
     @property
     def step(self) -> int:
-        return self._step
+        return self._steps.get(MAIN_PHASE, 0)
+
+    def _resolve_phase(self, phase: TrainPhase | None) -> TrainPhase:
+        if phase is None:
+            return TrainPhase(MAIN_PHASE, self.loss_cfg, self.cfg)
+        if phase.config.model_path != self.cfg.model_path:
+            raise ValueError(f"phase {phase.name!r}: train.model_path = {phase.config.model_path!r}, but the "
+                             f"backend was built from {self.cfg.model_path!r}; a phase cannot change the model")
+        _check_loss(phase.loss)
+        if self.ref is None and _needs_ref(phase.loss):
+            raise ValueError(f"phase {phase.name!r}: the loss has a KL term (kl_loss_coef="
+                             f"{phase.loss.kl_loss_coef}, kl_coef={phase.loss.kl_coef}) but init built no "
+                             "reference model")
+        return phase
+
+    def _phase_optimizer(self, phase: TrainPhase) -> torch.optim.Optimizer:
+        if phase.name == MAIN_PHASE:
+            # The warm-start is over: free its Adam moments (a second full optimizer state on the device).
+            for name in [n for n in self._optimizers if n != MAIN_PHASE]:
+                del self._optimizers[name], self._steps[name]
+        elif phase.name not in self._optimizers:
+            self._optimizers[phase.name] = build_adamw(self.policy, phase.config, self.device)
+            self._steps[phase.name] = 0
+        return self._optimizers[phase.name]
 
     # ------------------------------------------------------------------ train
-    def train(self, samples: Sequence[Sample]) -> Metrics:
+    def train(self, samples: Sequence[Sample], phase: TrainPhase | None = None) -> Metrics:
         self._require_awake("train")
         t0 = time.perf_counter()
-        cfg, world = self.cfg, self.rank.world_size
-        batch = self._agree_on_batch(samples)
+        phase = self._resolve_phase(phase)
+        cfg, loss_cfg, world = phase.config, phase.loss, self.rank.world_size
+        batch = self._agree_on_batch(samples, phase)
+        optimizer = self._phase_optimizer(phase)
         plan = plan_batch(batch.group_index, batch.lengths, world_size=world,
                           steps=cfg.steps_per_train, max_tokens=cfg.max_tokens_per_microbatch)
         with_rollout_lp = all(s.rollout_logprobs is not None for s in batch.samples)
         mine = [[self._pack(batch, idx, with_rollout_lp) for idx in step[self.rank.rank]] for step in plan]
         flat = [mb for step in mine for mb in step]
 
-        need_old = (cfg.old_logprobs == "recompute" or self.shaping_kl
+        shaping = _shaping_kl(loss_cfg)
+        need_old = (cfg.old_logprobs == "recompute" or shaping
                     or (cfg.old_logprobs == "auto" and cfg.steps_per_train > 1))
         old = self._no_grad_logprobs(self.policy, flat) if need_old else None
-        ref = self._no_grad_logprobs(self.ref, flat) if self.ref is not None else None
-        advantages = self._advantages(batch, flat, old, ref)
+        ref = self._no_grad_logprobs(self.ref, flat) if self.ref is not None and _needs_ref(loss_cfg) else None
+        advantages = self._advantages(batch, flat, old, ref, loss_cfg)
 
         totals: dict[str, float] = {}
         k = 0
         for step_plan, step_mbs in zip(plan, mine):
             step_indices = sorted(i for rank_plan in step_plan for mb in rank_plan if mb for i in mb)
-            denominators = self._denominators(batch, step_indices)
-            self.optimizer.zero_grad(set_to_none=True)  # nothing left over from a failed call
+            denominators = self._denominators(batch, step_indices, loss_cfg)
+            optimizer.zero_grad(set_to_none=True)  # nothing left over from a failed call
             sums: dict[str, torch.Tensor] = {}
             for mb in step_mbs:
                 logp, ent = self.policy.run(mb.inputs)
@@ -193,26 +232,27 @@ class FSDPBackend(TrainingBackend):
                     old_mb = old[k] if old is not None else None
                 loss, metrics = compute_policy_loss(
                     logp, loss_mask=mb.loss_mask, sample_denominators=den,
-                    cfg=self.loss_cfg, cu_seqlens=mb.response_cu_seqlens, advantages=advantages[k],
+                    cfg=loss_cfg, cu_seqlens=mb.response_cu_seqlens, advantages=advantages[k],
                     old_logprobs=old_mb, ref_logprobs=ref[k] if ref is not None else None,
                     rollout_logprobs=mb.rollout_logprobs,
-                    entropy=ent if self.loss_cfg.entropy_coef != 0 else ent.detach())
+                    entropy=ent if loss_cfg.entropy_coef != 0 else ent.detach())
                 (loss * world).backward()
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().double()
                 sums["tokens"] = sums.get("tokens", 0.0) + float(0 if mb.is_dummy else mb.num_tokens)
                 k += 1
-            step_metrics = self._optimizer_step()
+            step_metrics = self._optimizer_step(phase)
             step_metrics.update(self._all_reduce_sums(sums))
             for name, value in step_metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
         return self._finish_metrics(totals, len(plan), k, batch, time.perf_counter() - t0)
 
-    def _agree_on_batch(self, samples: Sequence[Sample]) -> CheckedBatch:
+    def _agree_on_batch(self, samples: Sequence[Sample], phase: TrainPhase) -> CheckedBatch:
         """Check the batch on every rank, then agree: all raise together or all go on."""
-        error = find_batch_error(samples, vocab_size=self.vocab_size, loss=self.loss_cfg,
-                                 reward_key=self.cfg.reward_key,
-                                 need_rollout_logprobs=self.cfg.old_logprobs == "rollout")
+        cfg, loss_cfg = phase.config, phase.loss
+        error = find_batch_error(samples, vocab_size=self.vocab_size, loss=loss_cfg,
+                                 reward_key=cfg.reward_key,
+                                 need_rollout_logprobs=cfg.old_logprobs == "rollout")
         fingerprint = [0, 0, 0] if error else _fingerprint(samples)
         local = torch.tensor([1 if error else 0, *fingerprint, *(-x for x in fingerprint)],
                              dtype=torch.int64, device=self.device)
@@ -222,7 +262,7 @@ class FSDPBackend(TrainingBackend):
         if any(int(local[1 + j]) != -int(local[4 + j]) for j in range(3)):
             raise ValueError("train batch differs between trainer ranks; every rank must receive "
                              "the same whole batch")
-        return number_batch(samples, loss=self.loss_cfg, reward_key=self.cfg.reward_key)
+        return number_batch(samples, loss=loss_cfg, reward_key=cfg.reward_key)
 
     def _pack(self, batch: CheckedBatch, indices: list[int] | None, with_rollout_lp: bool) -> PackedMicroBatch:
         if indices is None:
@@ -242,10 +282,10 @@ class FSDPBackend(TrainingBackend):
         reshard(model)
         return out
 
-    def _advantages(self, batch: CheckedBatch, mbs: list[PackedMicroBatch],
-                    old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    def _advantages(self, batch: CheckedBatch, mbs: list[PackedMicroBatch], old: list[torch.Tensor] | None,
+                    ref: list[torch.Tensor] | None, loss_cfg: LossConfig) -> list[torch.Tensor]:
         """Per-micro-batch advantages, computed once over this rank's share (whole groups)."""
-        if self.loss_cfg.loss_type == "sft":
+        if loss_cfg.loss_type == "sft":
             return [torch.zeros_like(mb.loss_mask) for mb in mbs]
         real = [j for j, mb in enumerate(mbs) if not mb.is_dummy]
         # A rank without samples still joins the whitening all-reduces, with one zero-weight token.
@@ -254,11 +294,11 @@ class FSDPBackend(TrainingBackend):
         mask = torch.cat([mbs[j].loss_mask for j in use]) if real else torch.zeros(1, device=self.device)
         lengths = [batch.samples[i].response_length for i in idx] if real else [1]
         kl = None
-        if self.shaping_kl:
-            kl = torch.cat([kl_penalty(old[j], ref[j], self.loss_cfg.kl_loss_type) for j in use])
+        if _shaping_kl(loss_cfg):
+            kl = torch.cat([kl_penalty(old[j], ref[j], loss_cfg.kl_loss_type) for j in use])
         t = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt, device=self.device)
         result = compute_advantages(
-            self.loss_cfg, rewards=t(batch.rewards[idx], torch.float32), loss_mask=mask,
+            loss_cfg, rewards=t(batch.rewards[idx], torch.float32), loss_mask=mask,
             cu_seqlens=cu_seqlens_from_lengths(lengths).to(self.device),
             group_ids=t(batch.group_index[idx], torch.int64),
             rollout_ids=t(batch.rollout_index[idx], torch.int64), kl=kl,
@@ -274,29 +314,29 @@ class FSDPBackend(TrainingBackend):
         dist.all_reduce(y)
         return y
 
-    def _denominators(self, batch: CheckedBatch, step_indices: list[int]) -> dict[int, float]:
+    def _denominators(self, batch: CheckedBatch, step_indices: list[int], loss_cfg: LossConfig) -> dict[int, float]:
         counts = torch.tensor([int(batch.loss_masks[i].sum()) for i in step_indices], dtype=torch.int64)
         rollouts = torch.as_tensor(batch.rollout_index[step_indices], dtype=torch.int64)
-        den = loss_denominators(counts, reduction=self.loss_cfg.reduction, rollout_ids=rollouts,
-                                max_response_tokens=self.loss_cfg.max_response_tokens)
+        den = loss_denominators(counts, reduction=loss_cfg.reduction, rollout_ids=rollouts,
+                                max_response_tokens=loss_cfg.max_response_tokens)
         return dict(zip(step_indices, den.tolist()))
 
-    def _optimizer_step(self) -> dict[str, float]:
-        cfg = self.cfg
+    def _optimizer_step(self, phase: TrainPhase) -> dict[str, float]:
+        cfg, optimizer, step = phase.config, self._optimizers[phase.name], self._steps[phase.name]
         params = [p for p in self.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         grad_norm = float(norm)
-        lr = lr_at(self._step, cfg)
+        lr = lr_at(step, cfg)
         skipped = not np.isfinite(grad_norm)
         if skipped:
-            log.warning("step %d: grad_norm=%s is not finite; skipping the update", self._step, grad_norm)
+            log.warning("%s step %d: grad_norm=%s is not finite; skipping the update", phase.name, step, grad_norm)
         else:
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-            self._step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+            set_lr(optimizer, lr)
+            optimizer.step()
+            self._steps[phase.name] = step + 1
+        optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(skipped)}
 
     def _all_reduce_sums(self, sums: dict[str, Any]) -> dict[str, float]:
@@ -345,13 +385,13 @@ class FSDPBackend(TrainingBackend):
                       dtype=self.compute_dtype)
             dist.barrier()
         else:
-            save_checkpoint(path, self.policy, self.optimizer, step=self._step, extra_state=extra_state)
+            save_checkpoint(path, self.policy, self.optimizer, step=self.step, extra_state=extra_state)
 
     def load_model(self, path: str | Path) -> dict[str, Any]:
         self._require_awake("load_model")
         reshard(self.policy)
         state = load_checkpoint(path, self.policy, self.optimizer)
-        self._step = int(state["step"])
+        self._steps[MAIN_PHASE] = int(state["step"])
         return dict(state.get("extra_state", {}))
 
     # ------------------------------------------------------------------ memory
@@ -374,12 +414,13 @@ class FSDPBackend(TrainingBackend):
                 if p.grad is not None:
                     yield _local(p.grad)
             yield from model.buffers()
-        for group in self.optimizer.param_groups:
-            yield from (_local(p) for p in group["params"])
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    yield _local(value)
+        for optimizer in self._optimizers.values():
+            for group in optimizer.param_groups:
+                yield from (_local(p) for p in group["params"])
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        yield _local(value)
 
     def _require_awake(self, what: str) -> None:
         if self.policy is None:
@@ -388,9 +429,30 @@ class FSDPBackend(TrainingBackend):
             raise RuntimeError(f"{what}: the backend is asleep; call wake_up() first")
 
     def close(self) -> None:
-        self.policy = self.ref = self.optimizer = None
+        self.policy = self.ref = None
+        self._optimizers.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_loss(loss: LossConfig) -> None:
+    if loss.advantage_estimator == "ppo" and loss.loss_type == "policy":
+        raise NotImplementedError("advantage_estimator='ppo' needs a critic, which the FSDP "
+                                  "backend does not build yet; use grpo/gspo/reinforce_plus_plus")
+    if loss.opd_kl_coef > 0:
+        raise NotImplementedError("opd_kl_coef > 0 needs teacher log-probs, which the FSDP "
+                                  "backend does not compute yet")
+    if loss.reduction == "constant" and loss.max_response_tokens < 1:
+        raise ValueError("algo.max_response_tokens = 0: the 'constant' loss reduction (Dr. GRPO) divides "
+                         "by the generation budget; set it (the trainer actor fills in rollout.max_new_tokens)")
+
+
+def _shaping_kl(loss: LossConfig) -> bool:
+    return loss.loss_type == "policy" and loss.kl_coef > 0 and loss.advantage_estimator in SHAPING_ESTIMATORS
+
+
+def _needs_ref(loss: LossConfig) -> bool:
+    return (loss.loss_type == "policy" and loss.kl_loss_coef > 0) or _shaping_kl(loss)
 
 
 def _compile_elementwise_parts(lm: torch.nn.Module) -> None:

@@ -41,11 +41,11 @@ class GradCapture(FSDPBackend):
 
     grads: list[dict[str, torch.Tensor]]
 
-    def _optimizer_step(self):
+    def _optimizer_step(self, phase):
         self.grads = getattr(self, "grads", [])
         self.grads.append({n.removeprefix("lm."): p.grad.full_tensor().clone()
                            for n, p in self.policy.named_parameters()})
-        return super()._optimizer_step()
+        return super()._optimizer_step(phase)
 
 
 class RecordingTransport(WeightTransport):
