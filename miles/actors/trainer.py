@@ -9,8 +9,10 @@ Design decisions:
 - Weight publication: every rank runs `backend.update_weights(transport, version)` (gathering
   shards is collective); rank 0 alone also owns the engine session around it (pause -> transfer
   -> version -> continue) through `WeightPublisher`.
-- The SFT warm-start is the same `train` call with the loss switched to `loss_type = "sft"` and
-  the learning rate to `sft.lr`.
+- Two training phases (`phases_for`): "rl" (`algo`, `train`) and the SFT warm-start ("sft": the
+  same objective with `loss_type = "sft"`, a constant `sft.lr`). Each call hands its phase to
+  `backend.train`, so nothing is switched on the backend between calls, and the backend keeps one
+  optimizer and schedule per phase: RL starts at step 0 of its schedule with fresh Adam moments.
 """
 
 from __future__ import annotations
@@ -39,24 +41,19 @@ class Trainer(Actor):
 
         r = self.recipe
         self.rank = RankInfo.from_env()
+        self.phases = phases_for(r)
+        rl = self.phases["rl"]
         self.backend = make_backend(r.train.backend)
-        await asyncio.to_thread(self.backend.init, r.train, self.rank, r.algo)
-        self.rl_loss, self.rl_cfg = r.algo, r.train
-        self.sft_loss = msgspec.structs.replace(r.algo, loss_type="sft")
-        self.sft_cfg = msgspec.structs.replace(r.train, lr=r.sft.lr, min_lr=min(r.train.min_lr, r.sft.lr),
-                                               old_logprobs="auto")
+        await asyncio.to_thread(self.backend.init, rl.config, self.rank, rl.loss)
 
     async def _run(self, fn, *args):
         async with self.lock:
             return await asyncio.to_thread(fn, *args)
 
     async def on_train_step(self, msg: TrainStep) -> TrainResult:
-        sft = msg.phase == "sft"
-        # The backend reads its loss and schedule config at every step: the warm-start swaps in
-        # the SFT loss and `sft.lr`, RL steps use `algo` and `train` as the recipe gives them.
-        self.backend.loss_cfg = self.sft_loss if sft else self.rl_loss
-        self.backend.cfg = self.sft_cfg if sft else self.rl_cfg
-        metrics = await self._run(self.backend.train, msg.samples)
+        # The phase is an argument of the call, never state set on the backend: a call waiting
+        # for the lock cannot change the config of the one running.
+        metrics = await self._run(self.backend.train, msg.samples, self.phases[msg.phase])
         return TrainResult(metrics={k: float(v) for k, v in metrics.items()})
 
     async def _ensure_publisher(self, engine_urls: list[str] | None = None):
@@ -193,3 +190,19 @@ class Trainer(Actor):
             await asyncio.to_thread(self.transport.close)
         if self.backend is not None:
             self.backend.close()
+
+
+def phases_for(recipe) -> dict:
+    """The recipe's training phases by `TrainStep.phase`: "rl" and the SFT warm-start "sft"."""
+    from miles.backends.base import TrainPhase
+
+    algo, train = recipe.algo, recipe.train
+    if algo.max_response_tokens == 0:
+        # Dr. GRPO's constant is the generation budget, which only the rollout section knows.
+        algo = msgspec.structs.replace(algo, max_response_tokens=recipe.rollout.max_new_tokens)
+    sft_loss = msgspec.structs.replace(algo, loss_type="sft")
+    # The warm-start's own schedule: a constant sft.lr (RL's warmup and decay are RL's steps).
+    sft_cfg = msgspec.structs.replace(train, lr=recipe.sft.lr, min_lr=min(train.min_lr, recipe.sft.lr),
+                                      warmup_steps=0, lr_decay_style="constant", lr_decay_steps=0,
+                                      old_logprobs="auto")
+    return {"rl": TrainPhase("rl", algo, train), "sft": TrainPhase("sft", sft_loss, sft_cfg)}
