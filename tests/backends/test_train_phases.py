@@ -8,26 +8,11 @@ import torch
 from backend_helpers import make_samples
 
 from miles.algo import LossConfig
-from miles.backends import RankInfo, TrainConfig, TrainPhase, make_backend
+from miles.backends import TrainConfig, TrainPhase
 from miles.backends.optim import lr_at
 from miles.tiny import build_tiny_model
 
 SFT_STEPS = 3
-
-
-@pytest.fixture
-def backends():
-    made = []
-
-    def make(cfg, loss):
-        backend = make_backend("fsdp")
-        backend.init(cfg, RankInfo(), loss)
-        made.append(backend)
-        return backend
-
-    yield make
-    if made:
-        made[-1].close()  # one process group for all of them; the last close destroys it
 
 
 def test_sft_warm_start_has_its_own_optimizer_and_schedule(backends, tmp_path):
