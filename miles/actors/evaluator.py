@@ -2,28 +2,45 @@
 
 - `shared`: through the rollout engines' gateway (the weights they serve now). Rollout
   admission is paused for the duration so a small debug set is not drowned by training traffic.
-- `fleet`: a dedicated embedded engine loaded from the checkpoint snapshot of that step
-  (`checkpoint_dir/hf`), started for the evaluation and stopped after it.
+- `fleet`: a dedicated embedded engine loaded from the HF weights snapshot of that step
+  (`Evaluate.checkpoint_dir` is that directory: the driver writes HF-only snapshots to
+  `<output_dir>/eval/step_N`), started for the evaluation and stopped after it.
 - `external`: a user command (`eval.command`, with `{checkpoint}` and `{step}` filled in) that
   prints one JSON object of metrics on its last line.
 
-Every result carries the step and version it belongs to and its lag (seconds from the request to
-the result). A failed evaluation returns `ok = false` with the error: that point is skipped and
-training goes on.
+Design decisions:
+- A result carries the version the engines actually served, read from the responses'
+  `weight_versions` spans: in fully-async runs training publishes newer versions while the
+  evaluation runs, so the version at request time would be wrong. When an update crossed the
+  evaluation, `version` is the oldest served and `version_max` the newest (also in the metrics).
+- Prompts are tokenized exactly as rollout does (`miles.rl.prompts.prompt_token_ids`, chat
+  template included), and a dict reward is read with `Sample.scalar_reward(train.reward_key)`, as
+  the trainer does: eval scores the task that is trained.
+- At most `eval.max_concurrency` requests are in flight: the eval set must not flood the engines
+  that serve rollouts.
+- The external command runs through the one supervised-process helper (`miles.supervise`): on
+  timeout or cancellation its whole process group is killed, and its output goes to a log file.
+- A failed evaluation returns `ok = false` with the error: that point is skipped and training
+  goes on. Rollout admission is resumed whatever happened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shlex
 import time
+from pathlib import Path
 
 import numpy as np
 
 from miles.actors.base import Actor
+from miles.rl.prompts import prompt_token_ids
 from miles.rl.rewards import call_maybe_async, load_function
 from miles.wire.messages import EvalResult, Evaluate, GetEngines, PauseAdmission, Sample
+
+log = logging.getLogger(__name__)
 
 
 class Evaluator(Actor):
@@ -47,21 +64,27 @@ class Evaluator(Actor):
         t0 = time.monotonic()
         async with self.lock:
             try:
-                metrics = await asyncio.wait_for(self._evaluate(msg), self.cfg.timeout_s)
-                return EvalResult(step=msg.step, version=msg.version, ok=True, metrics=metrics,
-                                  lag_s=time.monotonic() - t0)
-            except Exception as e:
+                metrics, served = await asyncio.wait_for(self._evaluate(msg), self.cfg.timeout_s)
+            except Exception as e:  # noqa: BLE001 - a failed eval skips its point, never training
+                if isinstance(e, asyncio.TimeoutError):
+                    e = TimeoutError(f"eval.timeout_s = {self.cfg.timeout_s}: step {msg.step} "
+                                     f"({self.cfg.mode} mode) did not finish")
+                log.warning("evaluation of step %d failed: %s", msg.step, e)
                 return EvalResult(step=msg.step, version=msg.version, ok=False,
                                   lag_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+            low, high = served if served is not None else (msg.version, -1)
+            return EvalResult(step=msg.step, version=low, version_max=high, ok=True,
+                              metrics=metrics, lag_s=time.monotonic() - t0)
 
-    async def _evaluate(self, msg: Evaluate) -> dict[str, float]:
+    async def _evaluate(self, msg: Evaluate) -> tuple[dict[str, float], tuple[int, int] | None]:
         mode = self.cfg.mode
         if mode == "external":
-            return await self._external(msg)
+            return await self._external(msg), None
         if mode == "fleet":
             from miles.engines.embedded import launch_embedded_engine
-            engine = await launch_embedded_engine(f"{msg.checkpoint_dir}/hf",
-                                                  extra_args=["--torch-threads", "1"])
+            engine = await launch_embedded_engine(
+                msg.checkpoint_dir, extra_args=["--torch-threads", "1"],
+                log_path=self._logdir() / f"eval-engine-step{msg.step}.log")
             try:
                 return await self._score(engine.url)
             finally:
@@ -72,36 +95,69 @@ class Evaluator(Actor):
         try:
             return await self._score(engines.gateway_url)
         finally:
-            await rollout.call(PauseAdmission(paused=False))
+            await self._resume_admission(rollout)
 
-    async def _score(self, url: str) -> dict[str, float]:
-        from miles.engines.client import EngineClient, SamplingParams
+    async def _resume_admission(self, rollout) -> None:
+        # A rollout left paused would stall training: retry, and say so loudly if it never works.
+        from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
+
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(5), reraise=True,
+                                               wait=wait_exponential(multiplier=0.2, max=5.0)):
+                with attempt:
+                    await rollout.call(PauseAdmission(paused=False), timeout_s=10.0)
+        except Exception as e:  # noqa: BLE001
+            log.error("could not resume rollout admission after the evaluation: %s", e)
+            raise
+
+    def _logdir(self) -> Path:
+        path = Path(self.recipe.output_dir) / "logs"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    async def _score(self, url: str) -> tuple[dict[str, float], tuple[int, int] | None]:
+        from miles.engines.client import EngineClient, SamplingParams, parse_weight_version
 
         r = self.recipe
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens or r.rollout.max_new_tokens,
                                 temperature=self.cfg.temperature, sampling_seed=r.run.seed)
+        limit = asyncio.Semaphore(self.cfg.max_concurrency)
+        served: list[int] = []
         async with EngineClient(url) as client:
             async def one(prompt):
-                ids = self.tokenizer.encode(prompt.prompt, add_special_tokens=False)
-                result = await client.generate(ids, params, routing_key=f"eval-{prompt.index}")
+                ids = prompt_token_ids(self.tokenizer, prompt.prompt, r.data.apply_chat_template)
+                async with limit:
+                    result = await client.generate(ids, params, routing_key=f"eval-{prompt.index}")
+                served.extend(parse_weight_version(s.version) for s in result.weight_versions)
+                if not result.weight_versions and result.weight_version:
+                    served.append(parse_weight_version(result.weight_version))
                 sample = Sample(tokens=np.asarray(ids + result.output_ids, np.int32),
                                 response_length=len(result.output_ids), label=prompt.label,
                                 prompt=prompt.prompt, metadata=dict(prompt.metadata),
                                 response=self.tokenizer.decode(result.output_ids, skip_special_tokens=True))
-                reward = await call_maybe_async(self.reward_fn, sample)
-                return float(next(iter(reward.values())) if isinstance(reward, dict) else reward), \
-                    len(result.output_ids)
+                sample.reward = await call_maybe_async(self.reward_fn, sample)
+                return sample.scalar_reward(r.train.reward_key), len(result.output_ids)
             results = await asyncio.gather(*(one(p) for p in self.prompts))
         rewards = [x for x, _ in results]
-        return {"eval/reward": float(np.mean(rewards)), "eval/n": float(len(rewards)),
-                "eval/response_len": float(np.mean([n for _, n in results]))}
+        metrics = {"eval/reward": float(np.mean(rewards)), "eval/n": float(len(rewards)),
+                   "eval/response_len": float(np.mean([n for _, n in results]))}
+        if not served:
+            return metrics, None
+        metrics["eval/version_min"], metrics["eval/version_max"] = float(min(served)), float(max(served))
+        return metrics, (min(served), max(served))
 
     async def _external(self, msg: Evaluate) -> dict[str, float]:
+        from miles.supervise import run_command
+
         cmd = self.cfg.command.format(checkpoint=msg.checkpoint_dir, step=msg.step)
-        proc = await asyncio.create_subprocess_exec(*shlex.split(cmd), stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT)
-        out, _ = await proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"eval.command exited with {proc.returncode}: {out.decode()[-300:]}")
-        last = out.decode().strip().splitlines()[-1]
-        return {f"eval/{k}": float(v) for k, v in json.loads(last).items()}
+        result = await run_command(f"eval.command (step {msg.step})", shlex.split(cmd),
+                                   timeout_s=self.cfg.timeout_s,
+                                   log_path=self._logdir() / f"eval-step{msg.step}.log")
+        if result.exit_code != 0:
+            raise RuntimeError(f"eval.command = {self.cfg.command!r} exited with {result.exit_code}: "
+                               f"{result.output[-300:]}")
+        lines = result.output.strip().splitlines()
+        if not lines:
+            raise RuntimeError(f"eval.command = {self.cfg.command!r} printed nothing (expected one "
+                               f"JSON object of metrics on its last line; log {result.log_path})")
+        return {f"eval/{k}": float(v) for k, v in json.loads(lines[-1]).items()}
