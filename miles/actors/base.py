@@ -12,13 +12,33 @@ Design decisions:
   handler raised), `ActorTimeout`, or `ActorDied` as soon as the connection drops. With
   `retries > 0` a call whose actor died is re-sent to the restarted incarnation (for idempotent
   messages only: the caller decides).
+- A ref caches its actor's connection, so a call costs no registry round trip. When that
+  connection has dropped, the next call asks the registry once: the same incarnation still alive
+  means a transient drop (reconnect); anything else means the incarnation is gone, and the call
+  fails at once with `ActorDied` (or, with `retries > 0`, waits for the next incarnation) instead
+  of waiting out its timeout on a dead endpoint. A fresh connection whose first connect is
+  refused fails the same way.
+- Cancellation crosses the wire: a caller that times out or is cancelled sends a `cancel` frame,
+  and the actor cancels that call's handler task; when a caller's connection is gone (probed with
+  `Server.peer_alive` on every disconnect and every `peer_check_interval_s`), its calls and streams
+  are cancelled too. Handlers see `asyncio.CancelledError`, so `finally` blocks clean up (an
+  abandoned `Reserve` gives its slot back). Tells are not cancelled: nobody waits on them, and a
+  sender may well exit right after one. Plain `def` handlers run to the end.
+- Streams are bounded: at most `max_streams_per_caller` open per caller; the next `stream_open`
+  gets an error reply naming the limit.
 - Streams carry bulk data with credit-based flow control: the receiver grants `window` credits
   and returns one per item its handler has consumed; the sender waits when it has none. Memory on
   both sides is bounded and nothing is dropped.
 - The registry is itself an actor (on the head node). Every actor registers its endpoint with an
   incarnation number and sends heartbeats; `Lookup(wait_s=...)` is the wait-for primitive.
 - Event-loop lag is sampled continuously (how late a 50 ms timer fires) and exported in
-  `Metrics` with call counts and refused-frame counts.
+  `Metrics` with call counts and refused-frame counts. A watchdog thread logs a warning when the
+  loop has not ticked for `lag_warn_s`, while it is still stuck: the actor's name, the handlers in
+  flight (message type, seconds running) and where the loop thread is. The registry warns when
+  an actor's heartbeats stop (name, incarnation, seconds since the last one) and marks an actor not
+  alive as soon as the connection it registered and heart-beats on is gone.
+- With CurveZMQ keys in the environment (`miles.wire.auth`) the runtime runs a ZAP handler and
+  every inbox and connection is authenticated and encrypted.
 """
 
 from __future__ import annotations
@@ -27,12 +47,16 @@ import asyncio
 import inspect
 import logging
 import os
+import sys
+import threading
 import time
+import traceback
 import typing
 from typing import Any, AsyncIterator, Callable
 
 import zmq
 
+from miles.wire import auth
 from miles.wire.codec import Codec
 from miles.wire.messages import (registered_messages, ActorInfo, ActorList, ErrorReply, GetMetrics, Header, Heartbeat,
                                  ListActors, Lookup, Message, Metrics, Ok, Ping, Pong, Register,
@@ -66,23 +90,37 @@ def run_event_loop(main: typing.Coroutine) -> Any:
         return asyncio.run(main)
 
 
-class Runtime:
-    """Per-process state: the ZeroMQ context, the codec, connections, and the registry's address."""
+_FROM_ENV: Any = object()
 
-    def __init__(self, registry: str | None = None, name: str = "", node_rank: int = 0):
+
+class Runtime:
+    """Per-process state: the ZeroMQ context, the codec, connections, and the registry's address.
+
+    `curve`: the job's CurveZMQ keys, None for plain sockets; by default they come from the
+    environment (`MILES_CURVE_PUBLIC` / `MILES_CURVE_SECRET`), which is how the node daemon hands
+    them to its children."""
+
+    def __init__(self, registry: str | None = None, name: str = "", node_rank: int = 0,
+                 curve: auth.CurveKeys | None = _FROM_ENV):
         self.ctx = zmq.Context()
         self.codec = Codec()
         self.registry_endpoint = registry
         self.name = name or f"client-{os.getpid()}"
         self.node_rank = node_rank
+        self.curve = auth.keys_from_env() if curve is _FROM_ENV else curve
+        self._authenticator = (auth.start_authenticator(self.ctx, self.curve)
+                               if self.curve is not None else None)
         self._conns: dict[str, Connection] = {}
 
-    def connection(self, endpoint: str) -> Connection:
+    def connection(self, endpoint: str, named: bool = False) -> Connection:
         conn = self._conns.get(endpoint)
         if conn is None or conn.lost:
             if conn is not None:
                 conn.close()
-            conn = self._conns[endpoint] = Connection(self.ctx, self.codec, endpoint, self.name)
+            conn = self._conns[endpoint] = Connection(self.ctx, self.codec, endpoint, self.name,
+                                                      self.curve)
+        if named:
+            conn.fail_if_refused = True
         return conn
 
     def ref(self, name: str) -> "ActorRef":
@@ -113,6 +151,8 @@ class Runtime:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self.ctx.destroy(linger=0)
 
 
@@ -124,15 +164,35 @@ class ActorRef:
         self._fixed = endpoint
         self._endpoint = endpoint
         self._incarnation = 0
+        self._conn: Connection | None = None
 
     async def _connection(self, timeout_s: float, min_incarnation: int = 0) -> Connection:
-        if self._endpoint is None:
-            info = await self.runtime.lookup(self.name, wait_s=timeout_s,
-                                             min_incarnation=min_incarnation)
-            self._endpoint, self._incarnation = info.endpoint, info.incarnation
-        return self.runtime.connection(self._endpoint)
+        conn = self._conn
+        if conn is not None and conn.lost is None:
+            return conn
+        if self._fixed is None:
+            if conn is not None:
+                await self._gone_or_transient(conn, timeout_s)
+            if self._endpoint is None:
+                info = await self.runtime.lookup(self.name, wait_s=timeout_s,
+                                                 min_incarnation=min_incarnation)
+                self._endpoint, self._incarnation = info.endpoint, info.incarnation
+        self._conn = self.runtime.connection(self._endpoint, named=self._fixed is None)
+        return self._conn
+
+    async def _gone_or_transient(self, conn: Connection, timeout_s: float) -> None:
+        """The connection to our incarnation dropped: raise its ConnectionLost unless the registry
+        still has that very incarnation alive at that endpoint (then the caller reconnects)."""
+        self._conn = None
+        info = await self.runtime.registry.call(Lookup(name=self.name),
+                                                timeout_s=max(0.1, min(timeout_s, 10.0)))
+        if not (isinstance(info, ActorInfo) and info.alive and info.endpoint == self._endpoint
+                and info.incarnation == self._incarnation):
+            self._endpoint = None
+            raise conn.lost
 
     def _forget(self) -> None:
+        self._conn = None
         if self._fixed is None:
             self._endpoint = None
 
@@ -144,14 +204,17 @@ class ActorRef:
             if left <= 0:
                 raise ActorTimeout(f"actor {self.name!r} did not answer {type(msg).__name__} "
                                    f"within {timeout_s:.1f}s")
+            sent = False
             try:
                 conn = await self._connection(left, min_inc)
+                sent = True
                 return await conn.request("call", msg, deadline - time.monotonic())
             except ConnectionLost as e:
                 self._forget()
                 if attempt >= retries or self._fixed is not None:
-                    raise ActorDied(f"actor {self.name!r} died while handling "
-                                    f"{type(msg).__name__}: {e}") from None
+                    what = "while handling" if sent else "before it was sent"
+                    raise ActorDied(f"actor {self.name!r} (incarnation {self._incarnation}) died "
+                                    f"{what} {type(msg).__name__}: {e}") from None
                 attempt += 1
                 min_inc = self._incarnation + 1  # wait for the restarted incarnation
             except asyncio.TimeoutError:
@@ -167,11 +230,12 @@ class ActorRef:
         info = await self.runtime.lookup(self.name, wait_s=timeout_s,
                                          min_incarnation=self._incarnation + 1)
         self._endpoint, self._incarnation = info.endpoint, info.incarnation
+        self._conn = None
         return info.incarnation
 
     async def tell(self, msg: Message, timeout_s: float = 60.0) -> None:
-        conn = await self._connection(timeout_s)
         try:
+            conn = await self._connection(timeout_s)
             await conn.send("tell", msg, 0)
         except ConnectionLost as e:
             self._forget()
@@ -202,7 +266,11 @@ class StreamSender:
         self._credit_event.set()
 
     async def __aenter__(self) -> "StreamSender":
-        self._conn = await self.ref._connection(self.timeout_s)
+        try:
+            self._conn = await self.ref._connection(self.timeout_s)
+        except ConnectionLost as e:
+            self.ref._forget()
+            raise ActorDied(f"actor {self.ref.name!r} is gone: {e}") from None
         self._id = self._conn.next_id()
         self._final = asyncio.get_running_loop().create_future()
         self._final.add_done_callback(lambda f: f.exception())  # consumed by close()
@@ -265,6 +333,7 @@ class StreamReceiver:
     def __init__(self, actor: "Actor", ident: bytes, id: int, topic: str, window: int):
         self.actor, self.ident, self.id, self.topic, self.window = actor, ident, id, topic, window
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
         self._unacked = 0
 
     def __aiter__(self) -> AsyncIterator[Message]:
@@ -309,8 +378,11 @@ class Actor:
     """Subclass and write `async def on_x(self, msg: X) -> Y` handlers."""
 
     stream_window = 16          # credits granted per stream
+    max_streams_per_caller = 64
     heartbeat_interval_s = 1.0
     lag_interval_s = 0.05
+    lag_warn_s = 1.0            # the watchdog warns when the loop is stuck this long
+    peer_check_interval_s = 2.0  # backstop for the per-disconnect probe of callers
     recipe = None               # the resolved Recipe, set by the host process
     spec = None                 # this role's ActorSpec (placement and `options`)
 
@@ -320,8 +392,15 @@ class Actor:
         self._handlers = _handlers_of(type(self))
         self._streams: dict[tuple[bytes, int], StreamReceiver] = {}
         self._tasks: set[asyncio.Task] = set()
+        # async handlers in flight: (ident, call id) for calls, the coroutine for tells ->
+        # (task, caller ident or None for a tell, message type name, monotonic start)
+        self._inflight: dict[Any, tuple[asyncio.Task, bytes | None, str, float]] = {}
+        self._inline_msg: Message | None = None  # the plain handler running now, for the watchdog
+        self._loop_tick = time.monotonic()
+        self._watchdog_stop = threading.Event()
         self._stopped: asyncio.Event | None = None
-        self.counters = {"calls": 0, "tells": 0, "handler_errors": 0, "streams": 0}
+        self.counters = {"calls": 0, "tells": 0, "handler_errors": 0, "streams": 0,
+                         "cancelled": 0, "streams_refused": 0}
         self.loop_lag_ms = 0.0
         self.loop_lag_max_ms = 0.0
 
@@ -331,9 +410,16 @@ class Actor:
                     register: bool = True) -> str:
         self.runtime = runtime
         self._stopped = asyncio.Event()
-        self.server = Server(runtime.ctx, runtime.codec, self._dispatch, host, port, self.name)
+        self.server = Server(runtime.ctx, runtime.codec, self._dispatch, host, port, self.name,
+                             curve=runtime.curve)
+        self.server.on_disconnect = self._on_disconnect
+        self.server.on_peer_gone = self._peer_gone
         self.server.start()
+        self._loop_tick = time.monotonic()
         self._spawn(self._measure_lag())
+        self._spawn(self._watch_peers())
+        threading.Thread(target=self._watchdog, args=(threading.get_ident(),), daemon=True,
+                         name=f"watchdog:{self.name}").start()
         await self.on_start()
         if register and runtime.registry_endpoint:
             await runtime.registry.call(Register(name=self.name, endpoint=self.server.endpoint,
@@ -350,6 +436,7 @@ class Actor:
             self._stopped.set()
 
     async def close(self) -> None:
+        self._watchdog_stop.set()
         await self.on_stop()
         for t in list(self._tasks):
             t.cancel()
@@ -414,6 +501,8 @@ class Actor:
                 rx.queue.put_nowait(msg if kind == "stream_item" else
                                     StreamReceiver._END if kind == "stream_end" else
                                     ActorError(f"sender aborted stream: {getattr(msg, 'detail', '')}"))
+        elif kind == "cancel":
+            self._cancel(ident, header.id)
 
     def _handle(self, ident: bytes, header: Header, msg: Message) -> None:
         """Run a plain (`def`) handler inline; an `async def` one in a task of its own."""
@@ -421,22 +510,67 @@ class Actor:
         try:
             if handler is None:
                 raise ActorError(f"actor {self.name!r} has no handler for {type(msg).__name__}")
+            self._inline_msg = msg
             result = handler(self, msg)
         except Exception as e:
+            self._inline_msg = None
             self._reply_error(ident, header, msg, e)
             return
+        self._inline_msg = None
         if inspect.iscoroutine(result):
-            self._spawn(self._finish_async(ident, header, msg, result))
+            call = header.kind == "call"
+            key = (ident, header.id) if call else result
+            task = self._spawn(self._finish_async(key, ident, header, msg, result))
+            self._inflight[key] = (task, ident if call else None, type(msg).__name__,
+                                   time.monotonic())
         else:
             self._reply(ident, header, result)
 
-    async def _finish_async(self, ident: bytes, header: Header, msg: Message, coro) -> None:
+    async def _finish_async(self, key: Any, ident: bytes, header: Header, msg: Message,
+                            coro) -> None:
         try:
             result = await coro
         except Exception as e:
             self._reply_error(ident, header, msg, e)
             return
+        finally:
+            self._inflight.pop(key, None)
         self._reply(ident, header, result)
+
+    def _cancel(self, ident: bytes, id: int) -> None:
+        """The caller gave up on call or stream `id`: cancel its handler."""
+        entry = self._inflight.get((ident, id))
+        task = entry[0] if entry is not None else getattr(self._streams.get((ident, id)), "task", None)
+        if task is not None and not task.done():
+            task.cancel()
+            self.counters["cancelled"] += 1
+
+    def _peer_gone(self, ident: bytes) -> None:
+        """A caller's connection is gone: cancel its calls and drop its streams."""
+        tasks = [t for t, who, _, _ in list(self._inflight.values()) if who == ident]
+        tasks += [rx.task for key, rx in list(self._streams.items()) if key[0] == ident and rx.task]
+        tasks = [t for t in tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            self.counters["cancelled"] += len(tasks)
+            log.info("%s: a caller disconnected; cancelled %d of its handlers and streams",
+                     self.name, len(tasks))
+
+    def _watched_peers(self) -> set[bytes]:
+        """Callers whose disconnect matters: those with calls or streams in flight."""
+        peers = {who for _, who, _, _ in self._inflight.values() if who is not None}
+        return peers | {key[0] for key in self._streams}
+
+    def _probe_peers(self) -> None:
+        for ident in self._watched_peers():
+            self.server.peer_alive(ident)
+
+    def _on_disconnect(self) -> None:
+        # The ROUTER may take a moment to drop the closed connection's routing id: probe again.
+        loop = asyncio.get_running_loop()
+        for delay in (0.0, 0.05, 0.5):
+            loop.call_later(delay, self._probe_peers)
 
     def _reply(self, ident: bytes, header: Header, result: Message | None) -> None:
         if header.kind == "call":
@@ -452,6 +586,15 @@ class Actor:
 
     def _open_stream(self, ident: bytes, header: Header, msg: Message) -> None:
         topic = msg.topic if isinstance(msg, StreamOpen) else "?"
+        open_now = sum(1 for who, _ in self._streams if who == ident)
+        if open_now >= self.max_streams_per_caller:
+            self.counters["streams_refused"] += 1
+            self.server.send_now(ident, "error", ErrorReply(
+                error_type="ActorError", actor=self.name,
+                message=f"stream {topic[:100]!r} refused: this caller already has {open_now} open "
+                        f"streams (the limit, max_streams_per_caller = "
+                        f"{self.max_streams_per_caller}); close one first"), header.id)
+            return
         rx = StreamReceiver(self, ident, header.id, topic, self.stream_window)
         self._streams[(ident, header.id)] = rx
         self.counters["streams"] += 1
@@ -470,7 +613,7 @@ class Actor:
             finally:
                 self._streams.pop((ident, header.id), None)
 
-        self._spawn(run())
+        rx.task = self._spawn(run())
 
     # ----- background ------------------------------------------------------------------------
 
@@ -478,9 +621,48 @@ class Actor:
         while True:
             t0 = time.perf_counter()
             await asyncio.sleep(self.lag_interval_s)
+            self._loop_tick = time.monotonic()
             lag_ms = max(0.0, (time.perf_counter() - t0 - self.lag_interval_s) * 1e3)
             self.loop_lag_ms = 0.9 * self.loop_lag_ms + 0.1 * lag_ms
             self.loop_lag_max_ms = max(self.loop_lag_max_ms, lag_ms)
+
+    async def _watch_peers(self) -> None:
+        while True:  # the backstop: a disconnect event normally triggers the probe at once
+            await asyncio.sleep(self.peer_check_interval_s)
+            self._probe_peers()
+
+    def _watchdog(self, loop_thread: int) -> None:
+        """A thread: warn (once per stall) while the event loop is stuck, saying what it runs."""
+        warned = False
+        while not self._watchdog_stop.wait(min(0.25, self.lag_warn_s / 4)):
+            stalled = time.monotonic() - self._loop_tick
+            if stalled <= self.lag_warn_s:
+                warned = False
+            elif not warned:
+                warned = True
+                log.warning("%s: event loop stuck for %.1fs (warning at %.1fs); %s", self.name,
+                            stalled, self.lag_warn_s, self._doing(loop_thread))
+
+    def _doing(self, loop_thread: int) -> str:
+        now = time.monotonic()
+        for _ in range(3):  # the loop thread may still change the table under us
+            try:
+                running = sorted(self._inflight.values(), key=lambda e: e[3])
+                break
+            except RuntimeError:
+                running = []
+        parts = [f"{name} ({now - t0:.1f}s)" for _, _, name, t0 in running[:10]]
+        if len(running) > 10:
+            parts.append(f"{len(running) - 10} more")
+        inline = self._inline_msg
+        if inline is not None:
+            parts.insert(0, f"{type(inline).__name__} (plain handler, running now)")
+        frame = sys._current_frames().get(loop_thread)
+        where = ""
+        if frame is not None:
+            last = traceback.extract_stack(frame)[-1]
+            where = f"; the loop thread is at {last.filename}:{last.lineno} in {last.name}"
+        return f"handlers in flight: {', '.join(parts) or 'none'}{where}"
 
     async def _heartbeat(self) -> None:
         registry = self.runtime.registry
@@ -502,15 +684,58 @@ class Registry(Actor):
         self.entries: dict[str, ActorInfo] = {}
         self.last_seen: dict[str, float] = {}
         self._changed = asyncio.Condition()
+        # The connection each actor registered and heart-beats on: ident -> {name: incarnation}.
+        self._registrants: dict[bytes, dict[str, int]] = {}
+        self._disconnected: dict[str, int] = {}  # name -> incarnation whose connection is gone
+        self._silent: set[str] = set()           # names already warned about for no heartbeats
 
     def _info(self, name: str) -> ActorInfo:
         entry = self.entries.get(name)
         if entry is None:
             return ActorInfo(name=name)
         age = time.monotonic() - self.last_seen.get(name, 0.0)
-        entry.alive = entry.endpoint != "" and age < self.liveness_timeout_s
+        entry.alive = (entry.endpoint != "" and age < self.liveness_timeout_s
+                       and self._disconnected.get(name) != entry.incarnation)
         entry.last_seen_s = age
         return entry
+
+    async def on_start(self) -> None:
+        self._spawn(self._watch_heartbeats())
+
+    def _handle(self, ident: bytes, header: Header, msg: Message) -> None:
+        if isinstance(msg, (Register, Heartbeat)):
+            entry = self.entries.get(msg.name)
+            if isinstance(msg, Register) or (entry is not None
+                                             and entry.incarnation == msg.incarnation):
+                self._registrants.setdefault(ident, {})[msg.name] = msg.incarnation
+                if self._disconnected.get(msg.name) == msg.incarnation:
+                    del self._disconnected[msg.name]  # a transient drop: it reconnected
+        super()._handle(ident, header, msg)
+
+    def _watched_peers(self) -> set[bytes]:
+        return super()._watched_peers() | set(self._registrants)
+
+    def _peer_gone(self, ident: bytes) -> None:
+        super()._peer_gone(ident)
+        for name, incarnation in self._registrants.pop(ident, {}).items():
+            entry = self.entries.get(name)
+            if entry is not None and entry.incarnation == incarnation and entry.endpoint:
+                self._disconnected[name] = incarnation
+                log.warning("registry: %s (incarnation %d) disconnected; it is not alive",
+                            name, incarnation)
+
+    async def _watch_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, min(1.0, self.liveness_timeout_s / 4)))
+            now = time.monotonic()
+            for name, entry in list(self.entries.items()):
+                age = now - self.last_seen.get(name, now)
+                if (entry.endpoint and age > self.liveness_timeout_s and name not in self._silent
+                        and self._disconnected.get(name) != entry.incarnation):
+                    self._silent.add(name)
+                    log.warning("registry: %s (incarnation %d) sent no heartbeat for %.1fs "
+                                "(liveness timeout %.1fs)", name, entry.incarnation, age,
+                                self.liveness_timeout_s)
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -525,6 +750,7 @@ class Registry(Actor):
                                            incarnation=msg.incarnation, pid=msg.pid,
                                            node_rank=msg.node_rank)
         self.last_seen[msg.name] = time.monotonic()
+        self._silent.discard(msg.name)
         await self._notify()
         return Ok()
 
@@ -539,6 +765,10 @@ class Registry(Actor):
         entry = self.entries.get(msg.name)
         if entry is not None and entry.incarnation == msg.incarnation:
             self.last_seen[msg.name] = time.monotonic()
+            if msg.name in self._silent:
+                self._silent.discard(msg.name)
+                log.warning("registry: %s (incarnation %d) heart-beats again", msg.name,
+                            msg.incarnation)
 
     async def on_lookup(self, msg: Lookup) -> ActorInfo:
         deadline = time.monotonic() + msg.wait_s

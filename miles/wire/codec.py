@@ -7,15 +7,21 @@ Design decisions:
   array in it is replaced by a msgpack ext (code 1) holding (frame index, dtype, shape); the array's
   bytes travel as their own frame. Encoding hands ZeroMQ the array's memory (no copy); decoding
   wraps the received frame with `np.frombuffer` (no copy; the array is read-only).
-- Decoding is strict (unknown fields, wrong types, bad dtypes, frame count or size mismatches are
-  all errors) and every error is a `WireError` naming the message type and the field path, so a
-  receiver can count it, drop the frame and keep serving.
+- Decoding is strict (unknown fields, wrong types, bad dtypes, frame count or size mismatches,
+  unknown kinds are all errors) and every error is a `WireError` naming the message type and the
+  field path, so a receiver can count it, drop the frame and keep serving. Whatever of the peer's
+  input an error echoes (a tag, a sender, msgspec's quoted value) is clipped to `ECHO_CHARS`, so
+  junk cannot make the reply or the log as large as itself.
+- `peek_header` reads a header leniently (any protocol version, any frame count): a receiver that
+  refuses a frame still learns the call id and kind, and can answer with an error instead of
+  leaving the caller to wait for its timeout.
 - No pickle anywhere; the dtype whitelist keeps object arrays out.
 """
 
 from __future__ import annotations
 
 import threading
+import re
 from typing import Any, Sequence
 
 import msgspec
@@ -24,6 +30,9 @@ import numpy as np
 from miles.wire.messages import PROTOCOL_VERSION, Header, Message, registered_messages
 
 ARRAY_EXT = 1
+ECHO_CHARS = 100
+KINDS = frozenset(("call", "tell", "reply", "error", "stream_open", "stream_item", "stream_credit",
+                   "stream_end", "stream_close", "cancel", "probe"))
 _DTYPES = {np.dtype(t).str: np.dtype(t) for t in (
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
     "float16", "float32", "float64")}
@@ -34,9 +43,16 @@ class WireError(ValueError):
     """A frame that cannot be decoded. `msg_type` and `field` say where."""
 
     def __init__(self, message: str, msg_type: str = "?", field: str = ""):
-        self.msg_type, self.field = msg_type, field
-        where = f"{msg_type}" + (f" field {field}" if field else "")
-        super().__init__(f"bad frame ({where}): {message}")
+        self.msg_type, self.field = clip(msg_type), field
+        where = self.msg_type if self.msg_type.startswith(("Header", "body")) else (
+            f"type {self.msg_type!r}" if not self.msg_type.isidentifier() else self.msg_type)
+        where += f", {field}" if field.startswith("a key") else f", field {field}" if field else ""
+        super().__init__(f"bad frame ({where}): {clip(message, 2 * ECHO_CHARS)}")
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """Echoed peer input, at most `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class VersionMismatch(WireError):
@@ -134,16 +150,35 @@ class Codec:
         try:
             header = _header_decoder.decode(raw)
         except msgspec.DecodeError as e:
-            raise WireError(str(e), "Header") from None
+            raise WireError(_explain(e), "Header", _field_of(e)) from None
         if header.v != PROTOCOL_VERSION:
             raise VersionMismatch(
-                f"peer {header.sender or '?'} speaks wire protocol v{header.v}, this process "
+                f"peer {clip(header.sender) or '?'} speaks wire protocol v{header.v}, this process "
                 f"speaks v{PROTOCOL_VERSION}; run the same Miles version on every node", "Header",
                 "v")
+        if header.kind not in KINDS:
+            raise WireError(f"unknown kind {clip(header.kind)!r}, expected one of "
+                            f"{', '.join(sorted(KINDS))}", "Header", "kind")
         if header.n_arrays != len(frames) - 2:
             raise WireError(f"header announces {header.n_arrays} array frames, "
                             f"{len(frames) - 2} came", "Header", "n_arrays")
         return header
+
+    def peek_header(self, frames: Sequence) -> Header | None:
+        """The header's kind, id and sender if they can be read at all (any version, any frame
+        count), else None: enough to address an error reply."""
+        if not frames:
+            return None
+        try:
+            fields = _any_decoder.decode(_buf(frames[0]))
+        except msgspec.DecodeError:
+            return None
+        if not (isinstance(fields, list) and len(fields) >= 3 and isinstance(fields[1], str)
+                and type(fields[2]) is int and fields[2] > 0):
+            return None
+        sender = fields[3] if len(fields) > 3 and isinstance(fields[3], str) else ""
+        return Header(fields[0] if type(fields[0]) is int else -1, clip(fields[1]), fields[2],
+                      clip(sender))
 
     def decode(self, frames: Sequence) -> tuple[Header, Message]:
         header = self.decode_header(frames)
@@ -161,24 +196,37 @@ def _buf(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
+_MSGPACK_TYPES = {"dict": "map", "list": "array", "str": "string", "bytes": "binary",
+                  "NoneType": "nil"}
+
+
 def _peek_type(body: Any) -> str:
     try:
         obj = _any_decoder.decode(body)
     except Exception:
-        return "<undecodable>"
+        return "body (not one msgpack value)"
     if isinstance(obj, dict):
         tag = obj.get("type")
-        return str(tag) if tag is not None else "<untagged>"
-    return f"<{type(obj).__name__}>"
+        if tag is None:
+            return "body (a map without a 'type' tag)"
+        return tag if isinstance(tag, str) else f"body (a {type(tag).__name__} 'type' tag)"
+    name = type(obj).__name__
+    return f"body (a msgpack {_MSGPACK_TYPES.get(name, name)}, not a message map)"
+
+
+# msgspec ends its errors with " - at `$.path`" or " - at `key` in `$.path`" (a map key).
+_AT = re.compile(r" - at `(key` in `)?([^`]*)`$")
 
 
 def _field_of(e: Exception) -> str:
-    text = str(e)
-    return text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else ""
+    m = _AT.search(str(e))
+    if m is None:
+        return ""
+    return f"a key in {m.group(2)}" if m.group(1) else m.group(2)
 
 
 def _explain(e: Exception) -> str:
-    return str(e).split(" - at `")[0]
+    return _AT.sub("", str(e))
 
 
 _default = Codec()

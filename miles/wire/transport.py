@@ -5,17 +5,36 @@ Design decisions:
   of concurrent calls (no REQ/REP lock-step) and replies may come back out of order.
 - A connection watches its socket's monitor events: when the peer's TCP connection drops (the
   process died), every call waiting on it fails at once with `ConnectionLost` instead of waiting
-  out its timeout. That is what lets a caller see a crash in milliseconds.
+  out its timeout. That is what lets a caller see a crash in milliseconds. A connection made for a
+  named actor also fails at once when its very first connect is refused (nothing listens at the
+  endpoint the registry gave: that incarnation is gone).
+- ZeroMQ heartbeats (ZMTP PING every `HEARTBEAT_IVL_MS`, dropped after `HEARTBEAT_TIMEOUT_MS`
+  without traffic) run on both ends in ZeroMQ's I/O thread, so a peer whose host vanished
+  (no FIN, no RST) is noticed too, and a busy Python loop never causes a false drop. Any traffic
+  counts, so a long transfer cannot time a connection out.
+- A caller that gives up on a call (timeout, or its task was cancelled) sends a `cancel` frame
+  with the call id, so the actor can cancel the handler instead of finishing work nobody awaits.
+- The inbox learns that a caller is gone with `ROUTER_MANDATORY`: a send to a routing id whose
+  connection has closed fails with EHOSTUNREACH. `Server.peer_alive` sends a tiny `probe` frame
+  for that (libzmq 4.3's ROUTER_NOTIFY is a draft API, missing from the wheels), and the server's
+  own monitor reports each disconnect, so the actor probes right away instead of polling often.
+- A received frame larger than `MAX_FRAME_BYTES` (1 GiB; ZeroMQ's MAXMSGSIZE, which bounds each
+  frame of a message) makes ZeroMQ drop the sending connection before Python sees a byte, so a
+  hostile frame cannot exhaust memory. Real traffic stays far below it: a 64 MB rollout batch
+  travels as one small frame per array.
 - Frames are sent with copy=False: pyzmq still copies small frames (below its copy threshold),
   while large array frames go to the kernel straight from the numpy buffer.
-- A frame that fails to decode is counted and dropped; if its header was readable and it was a
-  call, the sender gets an error reply naming the message type and field, so it does not hang.
+- A frame that fails to decode is counted and dropped; whenever its header's kind and id can be
+  read (any protocol version, any frame count) and it expected an answer, the sender gets an
+  error reply naming the message type and field, so it does not hang.
 - Stream credits: the receiver grants credits; a sender waits for one before each item, so a slow
   consumer slows the producer and nothing is dropped.
 - Sockets are plain (not zmq.asyncio) sockets driven by `_Pump`: the loop watches the socket's
   file descriptor and drains every ready message synchronously, and sends go straight to ZeroMQ
   (its queues are unbounded here, so a send never blocks). This removes a future and a poller
   round per message, which is most of the per-call cost on a small machine.
+- With CurveZMQ keys (`miles.wire.auth`), the inbox is a CURVE server and every connection a CURVE
+  client; without them the sockets are plain.
 """
 
 from __future__ import annotations
@@ -28,8 +47,9 @@ from typing import Awaitable, Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from miles.wire import auth
 from miles.wire.codec import Codec, WireError
-from miles.wire.messages import ErrorReply, Header, Message
+from miles.wire.messages import ErrorReply, Header, Message, Ok
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +69,22 @@ class RemoteError(RuntimeError):
         super().__init__(f"{reply.error_type}{where}: {reply.message}")
 
 
-def tune(sock: zmq.Socket) -> None:
+MAX_FRAME_BYTES = 1 << 30
+HEARTBEAT_IVL_MS = 2_000
+HEARTBEAT_TIMEOUT_MS = 20_000
+# Frame kinds a caller waits on: refusing one of them without a reply would leave it hanging.
+_ANSWERED = frozenset(("call", "stream_open", "stream_item", "stream_end"))
+_INBOX_KINDS = frozenset(("call", "tell", "stream_open", "stream_item", "stream_end",
+                          "stream_close", "cancel"))
+
+
+def tune(sock: zmq.Socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # flow control is ours (credits), never ZeroMQ's silent drop
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
 
 
 _ZERO_COPY_BYTES = 64 * 1024
@@ -114,14 +146,25 @@ class _Pump:
 
 
 class Server:
-    """An actor's inbox: a ROUTER socket; `on_message` is called for every decoded frame."""
+    """An actor's inbox: a ROUTER socket; `on_message` is called for every decoded frame.
+
+    `on_disconnect()` is called when any peer's connection closes; `on_peer_gone(ident)` when a
+    send finds that a caller's connection is gone."""
+
+    max_frame_bytes = MAX_FRAME_BYTES
 
     def __init__(self, ctx: zmq.Context, codec: Codec, on_message: Handler,
-                 host: str = "127.0.0.1", port: int = 0, name: str = ""):
+                 host: str = "127.0.0.1", port: int = 0, name: str = "",
+                 curve: auth.CurveKeys | None = None):
         self.codec, self.on_message, self.name = codec, on_message, name
+        self.on_disconnect: Callable[[], None] | None = None
+        self.on_peer_gone: Callable[[bytes], None] | None = None
         self.sock = ctx.socket(zmq.ROUTER)
-        tune(self.sock)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        tune(self.sock, self.max_frame_bytes)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone caller raises: see peer_alive
+        if curve is not None:
+            auth.make_server(self.sock, curve)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -130,14 +173,20 @@ class Server:
         self.bad_frames = 0
         self.last_bad_frame = ""
         self._pump: _Pump | None = None
+        self._monitor_pump: _Pump | None = None
+        self._probe = codec.encode("probe", Ok(), 0, name)
 
     def start(self) -> None:
         self._pump = _Pump(self.sock, self._on_frames)
+        self._monitor_pump = _Pump(self._monitor, self._on_monitor)
 
     def _on_frames(self, frames: list) -> None:
         ident, frames = frames[0].bytes, frames[1:]
         try:
             header, msg = self.codec.decode(frames)
+            if header.kind not in _INBOX_KINDS:
+                raise WireError(f"kind {header.kind!r} is not sent to an actor's inbox", "Header",
+                                "kind")
         except WireError as e:
             self.bad_frames += 1
             self.last_bad_frame = str(e)
@@ -149,22 +198,47 @@ class Server:
             log.exception("%s: dispatch of %s failed", self.name, type(msg).__name__)
 
     def _refuse(self, ident: bytes, frames, error: WireError) -> None:
-        try:
-            header = self.codec.decode_header(frames)
-        except WireError:
-            return  # nothing to answer to
-        if header.kind in ("call", "stream_open", "stream_item"):
+        header = self.codec.peek_header(frames)
+        if header is not None and header.kind in _ANSWERED:
             self.send_now(ident, "error", ErrorReply(error_type=type(error).__name__,
                                                      message=str(error), actor=self.name),
                           header.id)
 
-    def send_now(self, ident: bytes, kind: str, msg: Message, id: int = 0) -> None:
-        self._pump.send([ident, *self.codec.encode(kind, msg, id, self.name)])
+    def _on_monitor(self, frames: list) -> None:
+        if self.on_disconnect is not None:
+            self.on_disconnect()
+
+    def send_now(self, ident: bytes, kind: str, msg: Message, id: int = 0) -> bool:
+        """Send to a caller; False (and `on_peer_gone`) when its connection is gone."""
+        return self._send(ident, self.codec.encode(kind, msg, id, self.name))
+
+    def _send(self, ident: bytes, frames: list) -> bool:
+        try:
+            self._pump.send([ident, *frames])
+            return True
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+        if self.on_peer_gone is not None:
+            self.on_peer_gone(ident)
+        return False
+
+    def peer_alive(self, ident: bytes) -> bool:
+        """Whether the caller `ident` is still connected (a `probe` frame, which callers ignore)."""
+        return self._send(ident, self._probe)
 
     async def send(self, ident: bytes, kind: str, msg: Message, id: int = 0) -> None:
         self.send_now(ident, kind, msg, id)
 
     def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        if self._monitor_pump is not None:
+            self._monitor_pump.close()
+        else:
+            self._monitor.close(linger=0)
         if self._pump is not None:
             self._pump.close()
         else:
@@ -172,14 +246,21 @@ class Server:
 
 
 class Connection:
-    """A DEALER connection to one endpoint, shared by every call and stream to it."""
+    """A DEALER connection to one endpoint, shared by every call and stream to it.
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, endpoint: str, sender: str = ""):
+    `fail_if_refused`: fail every call at once if the first connect is refused (set for
+    connections to named actors, whose endpoint came from the registry)."""
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, endpoint: str, sender: str = "",
+                 curve: auth.CurveKeys | None = None):
         self.codec, self.endpoint, self.sender = codec, endpoint, sender
+        self.fail_if_refused = False
         self.sock = ctx.socket(zmq.DEALER)
         tune(self.sock)
+        if curve is not None:
+            auth.make_client(self.sock, curve)
         self._monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future] = {}
@@ -214,10 +295,21 @@ class Connection:
             if timeout_s is not None:
                 timer = self.loop.call_later(max(0.0, timeout_s), _expire, fut)
             return await fut
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            self._cancel(id)
+            raise
         finally:
             if timer is not None:
                 timer.cancel()
             self.pending.pop(id, None)
+
+    def _cancel(self, id: int) -> None:
+        """Tell the actor that nobody waits for call `id` any more."""
+        if self.lost is None:
+            try:
+                self._pump.send(self.codec.encode("cancel", Ok(), id, self.sender))
+            except (ConnectionLost, zmq.ZMQError):
+                pass
 
     def _on_frames(self, frames: list) -> None:
         try:
@@ -244,9 +336,15 @@ class Connection:
             self._connected = True
         elif event["event"] == zmq.EVENT_DISCONNECTED and self._connected and self.lost is None:
             self._fail(ConnectionLost(f"connection to {self.endpoint} lost"))
+        elif (event["event"] == zmq.EVENT_CONNECT_RETRIED and not self._connected
+              and self.fail_if_refused and self.lost is None):
+            self._fail(ConnectionLost(f"connection to {self.endpoint} refused: nothing listens "
+                                      "there any more"))
 
-    def _fail(self, error: ConnectionLost) -> None:
+    def _fail(self, error: ConnectionLost, closing: bool = False) -> None:
         self.lost = error
+        if not closing:  # ZeroMQ would keep reconnecting to the dead endpoint while the socket lives
+            self.loop.call_soon(self.close)
         for fut in list(self.pending.values()):
             if not fut.done():
                 fut.set_exception(error)
@@ -255,7 +353,9 @@ class Connection:
 
     def close(self) -> None:
         if self.lost is None:
-            self._fail(ConnectionLost(f"connection to {self.endpoint} closed"))
+            self._fail(ConnectionLost(f"connection to {self.endpoint} closed"), closing=True)
+        if self._pump._closed:
+            return
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
