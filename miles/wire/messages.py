@@ -46,8 +46,10 @@ def registered_messages() -> dict[str, type[Message]]:
 # ---------------------------------------------------------------------------------------------
 # Envelope: decoded before the body, so a peer of another protocol version is refused up front.
 
+# cancel: the caller gave up on call/stream `id`; probe: an inbox checking that a caller is still
+# connected (callers ignore it).
 Kind = Literal["call", "tell", "reply", "error", "stream_open", "stream_item", "stream_credit",
-               "stream_end", "stream_close"]
+               "stream_end", "stream_close", "cancel", "probe"]
 
 
 class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
