@@ -30,23 +30,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
-from chaos_harness import CASES, row_json, run_case  # noqa: E402
-
 FIELDS = ("kind", "completed", "exit_code", "recovery_s", "wall_s", "steps_trained", "samples_lost",
           "trained_twice", "kills", "notes")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--cases", default="all", help="comma list of engine, gateway, rollout, buffer, "
+                    "trainer, evaluator, driver, engine_x10, session_server (default: all)")
     ap.add_argument("--work-dir", default=None, help="keep the runs' output dirs and logs here")
     ap.add_argument("--full", action="store_true", help="every field of each row, log tails included")
+    ap.add_argument("--source", default=None,
+                    help="run this Miles tree instead of the checkout (e.g. `git archive COMMIT | tar -x -C DIR`)")
     args = ap.parse_args()
-    names = [n for n in args.cases.split(",") if n]
+    if args.source:  # read by the harness at import
+        os.environ["MILES_CHAOS_SOURCE"] = str(Path(args.source).resolve())
+    from chaos_harness import CASES, row_json, run_case
+    names = list(CASES) if args.cases == "all" else [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise SystemExit(f"--cases {args.cases!r}: unknown {unknown}; expected some of {list(CASES)}")
-    machine = {"platform": platform.platform(), "machine": platform.machine(), "cores": os.cpu_count()}
+    machine = {"platform": platform.platform(), "machine": platform.machine(), "cores": os.cpu_count(),
+               "source": str(args.source or ROOT)}
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="miles_chaos_"))
     rows, t0 = [], time.monotonic()
     for name in names:

@@ -10,7 +10,8 @@ Design decisions:
 - Targets are found with psutil among the descendants of the run's own process only, so runs in
   parallel (other engineers, CI shards) never interfere: actors are `python -m miles.actors.host`
   processes told apart by `MILES_ACTOR_NAME` in their environment; an embedded engine is a
-  `python -m miles.engines.embedded` process; the gateway is `python -m smg launch`.
+  `python -m miles.engines.embedded` process; the gateway is `python -m smg launch`, which
+  renames itself `smg::router` once it runs.
 - Every wait has a deadline whose error names the case and what it waited for. After a kill the
   run gets `loop.timeout_s` (the callers' own timeout) plus a margin to log its next step or to
   end: a run that is still silent then has a caller hung past its timeout, which fails the case.
@@ -44,7 +45,10 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "chaos_cpu.toml"
-MILES = ROOT / ".venv" / "bin" / "miles"
+PYTHON = ROOT / ".venv" / "bin" / "python"
+# The Miles source the runs use: this checkout, or another tree (`git archive COMMIT | tar -x`)
+# to measure a commit, e.g. the "before" table (bench/chaos.py --source DIR).
+SOURCE = Path(os.environ.get("MILES_CHAOS_SOURCE", ROOT))
 
 
 @dataclass
@@ -63,10 +67,9 @@ class Case:
 def engine_restart_sets(kills: int) -> dict:
     """Overrides that let the fleet take `kills` engine deaths in one run: a restart window
     (`engine.restart_window_s`) where the fleet has one, else a total budget that is big enough."""
-    from miles.rl.config import EngineConfig
-
     sets = {"engine.max_restarts": kills + 2}
-    if "restart_window_s" in EngineConfig.__struct_fields__:
+    # read from the source the run uses, which need not be the one imported here
+    if "restart_window_s" in (SOURCE / "miles" / "rl" / "config.py").read_text():
         sets = {"engine.restart_window_s": 60.0, "engine.max_restarts": 3}
     return sets
 
@@ -118,8 +121,9 @@ def _is(proc: psutil.Process, target: str) -> bool:
         cmd = proc.cmdline()
         if target == "engine":
             return "miles.engines.embedded" in cmd
-        if target == "gateway":
-            return any(a == "smg" and i > 0 and cmd[i - 1] == "-m" for i, a in enumerate(cmd)) and "launch" in cmd
+        if target == "gateway":  # smg renames its process once it runs: `smg::router`
+            return bool(cmd) and cmd[0].startswith("smg::") or (
+                "launch" in cmd and any(a == "smg" and cmd[i - 1] == "-m" for i, a in enumerate(cmd) if i))
         return "miles.actors.host" in cmd and proc.environ().get("MILES_ACTOR_NAME") == target
     except psutil.Error:
         return False
@@ -212,13 +216,47 @@ def job_groups_lost(rows: list[dict], groups_per_step: int) -> tuple[int | None,
     trained = len({r["step"] for r in train}) * groups_per_step
     lost = int(round(a["buffer/kept"] - trained - a["buffer/queue_groups"] - a["buffer/stale"]))
     note = ""
-    if a["buffer/groups_out"] != trained:
-        note = f"the buffer handed out {a['buffer/groups_out']:.0f} groups and {trained} were trained"
+    if a.get("buffer/trained", a["buffer/groups_out"]) != trained:  # `trained`: confirmed by the driver
+        note = (f"the buffer counted {a.get('buffer/trained', a['buffer/groups_out']):.0f} groups "
+                f"trained, the driver trained {trained}")
     if lost:
         note += ("; " if note else "") + (
             f"kept {a['buffer/kept']:.0f} != trained {trained} + queued {a['buffer/queue_groups']:.0f} "
             f"+ stale {a['buffer/stale']:.0f}")
     return lost, note
+
+
+def journal_state(out_dir: Path) -> dict | None:
+    """The buffer's journal at the end of a job, replayed the way a restarted buffer replays it:
+    its counters and how many slots are still in each state (None: no journal)."""
+    path = out_dir / "buffer" / "journal.bin"
+    if not path.exists():
+        return None
+    from miles.actors.buffer import Buffer
+    from miles.actors.journal import Journal
+
+    buffer = Buffer()
+    for rec in Journal(path).read():
+        buffer._apply(rec)
+    return {"counts": dict(buffer.counts), "states": buffer.state_counts()}
+
+
+def check_journal(journal: dict | None, rows: list[dict]) -> list[str]:
+    """What the journal says against the metrics' last buffer counters: the same groups kept and
+    trained, and no batch still out (handed to the driver, never confirmed as trained)."""
+    if journal is None:
+        return ["no buffer journal (<output_dir>/buffer/journal.bin) to check against"]
+    actors = [r for r in rows if r.get("kind") == "actors" and "buffer/kept" in r]
+    problems = []
+    if journal["states"].get("out"):
+        problems.append(f"journal: {journal['states']['out']} groups still out (never confirmed trained)")
+    if actors:
+        for key in ("kept", "trained"):
+            if key in journal["counts"] and f"buffer/{key}" in actors[-1] \
+                    and journal["counts"][key] < actors[-1][f"buffer/{key}"]:
+                problems.append(f"journal: {key} {journal['counts'][key]} < the metrics' "
+                                f"{actors[-1][f'buffer/{key}']:.0f}: accepted groups are not journalled")
+    return problems
 
 
 # ----- one run -----------------------------------------------------------------------------------
@@ -230,13 +268,14 @@ class Run:
         self.case, self.out_dir = case, out_dir
         self.log_path = out_dir.parent / f"{out_dir.name}{tag}.log"
         self.metrics = out_dir / "metrics.jsonl"
-        cmd = [str(MILES), "run", str(RECIPE)]
+        cmd = [str(PYTHON), "-m", "miles.cli", "run", str(RECIPE)]
         for k, v in {"run.name": json.dumps(f"chaos_{case.name}"), "run.output_dir": json.dumps(str(out_dir)),
                      "cluster.head_port": _free_port(), **sets}.items():
             cmd += ["--set", f"{k}={v}"]
         self.t0 = time.monotonic()
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(cmd, cwd=SOURCE, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.root = psutil.Process(self.proc.pid)
         self.seen: dict[int, psutil.Process] = {}
@@ -291,14 +330,17 @@ class Run:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        # a child may still be on its way out when the daemon exits: give it a moment
+        _, alive = psutil.wait_procs([p for p in self.seen.values() if p.is_running()], timeout=5)
         left = []
-        for p in self.seen.values():
+        for p in alive:
             try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                if p.status() != psutil.STATUS_ZOMBIE:
                     left.append(" ".join(p.cmdline()[:4]))
                     p.kill()
             except psutil.Error:
                 pass
+        self.seen.clear()
         self._log.close()
         return left
 
@@ -408,6 +450,11 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
     row.update({k: acc[k] for k in ("steps_trained", "samples_lost", "trained_twice", "steps_missing",
                                     "steps_repeated")})
     row["notes"] += acc["notes"]
+    try:
+        row["journal"] = journal_state(out)
+        row["journal_problems"] = check_journal(row["journal"], jobs[-1])
+    except Exception as e:  # a journal format this checkout cannot read
+        row["journal"], row["journal_problems"] = None, [f"journal unreadable: {type(e).__name__}: {e}"]
     if case.target == "evaluator":
         row["evals_after_kill"] = {r["step"]: r["kind"] for r in jobs[-1]
                                    if r.get("kind") in ("eval", "eval_failed") and r["step"] > case.kill_at_step}

@@ -23,6 +23,7 @@ def _check(row: dict) -> None:
     assert row["samples_lost"] == 0, f"accepted samples lost (None: unprovable): {why}"
     assert row["trained_twice"] == 0, f"groups trained twice (None: unprovable): {why}"
     assert row["leftovers"] == [], f"processes outlived the run: {why}"
+    assert row["journal_problems"] == [], f"the buffer's journal disagrees: {why}"
 
 
 @pytest.mark.slow
