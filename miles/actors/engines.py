@@ -233,6 +233,7 @@ class EngineFleet(Actor):
                 last = e
                 self._gateway_quick_deaths += 1
                 log.error("the gateway could not be restarted on %s: %s", old.url, e)
+                await asyncio.sleep(cfg.health_interval_s)  # a port in TIME_WAIT frees itself
         self._fail(FleetError(f"the gateway could not be restarted on its port {old.url} "
                               f"(engine.max_restarts = {cfg.max_restarts}): {last}"))
 

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from miles.actors.base import Runtime
 from miles.actors.engines import EngineFleet
@@ -78,6 +79,7 @@ async def test_killed_engine_waits_in_pending_until_the_driver_published(tmp_pat
         runtime.close()
 
 
+@pytest.mark.slow  # four engine starts: ~20 s, more on a busy machine
 async def test_kills_spread_over_a_run_are_survived_but_a_crash_loop_gives_up(tmp_path, tiny_qwen3):
     # Deaths later than restart_window_s after start do not add up: three kills, max_restarts = 1.
     fleet, runtime, ref = await _fleet(tmp_path / "a", tiny_qwen3, max_restarts=1, restart_window_s=0.2)
@@ -132,5 +134,27 @@ async def test_killed_gateway_comes_back_on_its_url_with_the_serving_engines(tmp
         assert await _generate(again.gateway_url) == 200
         assert fleet.gateway_restarts == 1
     finally:
+        await fleet.close()
+        runtime.close()
+
+
+async def test_gateway_that_cannot_rebind_its_port_ends_the_fleet_loudly(tmp_path, tiny_qwen3):
+    import socket
+
+    fleet, runtime, ref = await _fleet(tmp_path, tiny_qwen3, max_restarts=1)
+    run = asyncio.ensure_future(fleet.run())
+    squatter = socket.socket()
+    try:
+        engines = await ref.call(GetEngines(), timeout_s=120)
+        port = int(engines.gateway_url.rsplit(":", 1)[1])
+        fleet.gateway.process.kill()
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        assert await asyncio.wait_for(run, 60) == 1
+        message = str(fleet._fatal.result())
+        assert f"could not be restarted on its port {engines.gateway_url}" in message, message
+        assert "Address already in use" in message  # smg's own words, from its log
+    finally:
+        squatter.close()
         await fleet.close()
         runtime.close()
