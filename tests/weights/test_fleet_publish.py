@@ -9,6 +9,11 @@ left the publish fails and says so."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +25,7 @@ from miles.rl.config import ModelConfig
 from miles.tiny import build_tiny_model
 from miles.weights import WeightsConfig
 from miles.wire.messages import PublishWeights
-from weights_helpers import start_engines, stop_engines
+from weights_helpers import REPO, free_port, start_engines, stop_engines
 
 
 async def _versions(engines) -> list[str]:
@@ -88,3 +93,45 @@ async def test_publish_drops_dead_engines_and_follows_the_engine_set(tmp_path, t
     finally:
         await trainer.on_stop()
         await stop_engines(engines)
+
+
+def _run_two_ranks(out_dir: Path, env: dict[str, str], timeout_s: float = 240) -> list[dict]:
+    worker = Path(__file__).with_name("fleet_publish_worker.py")
+    port, procs = free_port(), []
+    for rank in range(2):
+        penv = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                    CUDA_VISIBLE_DEVICES="", **env)
+        log = open(out_dir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(worker), "two", str(out_dir / f"rank{rank}.json")],
+                                       env=penv, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout_s)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (out_dir / f"rank{rank}.log").read_text()[-6000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow  # two FSDP ranks start in their own processes: ~50 s on a busy 2-core machine
+async def test_two_trainer_ranks_agree_to_publish_again_to_the_survivors(tmp_path):
+    path = str(build_tiny_model(arch="qwen3"))
+    engines = await start_engines(path, 2, tmp_path)
+    try:
+        env = {"ENGINE_URLS": ",".join(e.url for e in engines), "MODEL_PATH": path,
+               "ENGINE_PIDS": ",".join(str(e.process.pid) for e in engines)}
+        zero, one = await asyncio.to_thread(_run_two_ranks, tmp_path, env)
+    finally:
+        await stop_engines(engines)
+    assert zero["v1"] == one["v1"] == "version 1"
+    assert zero["v2"] == f"version 2; dropped dead engines {[engines[1].url]}"
+    assert one["v2"].startswith("version 2")
+    assert zero["connected"] == one["connected"] == [engines[0].url]
+    assert zero["v3"].startswith("failed:") and "answers any more" in zero["v3"], zero["v3"]
+    assert one["v3"] == zero["v3"], "every rank fails with rank 0's reason"
