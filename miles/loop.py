@@ -24,7 +24,18 @@ Design decisions:
   buffer); on start the newest complete checkpoint in the run directory is resumed, those prompts
   are generated again first, and a SIGINT'ed run continues where it stopped with no prompt lost.
 - Evaluation is asynchronous in fully-async mode (its result is logged when it arrives, with its
-  lag) and a failed evaluation is logged and skipped, never fatal.
+  lag) and a failed evaluation is logged and skipped, never fatal. Fleet and external evaluation
+  read HF weights written to `<output_dir>/eval/step_NNNNNN` (not a resume point).
+- Batches are two-phase: `GetBatch` names a request id and the groups stay the buffer's until
+  `ConfirmBatch` after the train step, so a buffer that dies before or after handing a batch out
+  (it restarts from its journal) loses nothing and trains nothing twice: the driver waits for the
+  new incarnation, re-sends `SetVersion` and then the same request.
+- While it waits for a batch (the trainers are idle then) the driver polls the fleet every
+  `engine.health_interval_s`; when the engine set changed (a restarted engine waits for weights)
+  every trainer rank publishes the current version to the new set, then the fleet is told
+  (`EnginesUpdated`). In sync mode with one engine nothing else would ever give it weights.
+- A restarted rollout worker resumes by itself from the buffer's journal (see `actors/rollout.py`);
+  the driver's calls to it are idempotent and re-sent after a restart.
 """
 
 from __future__ import annotations
@@ -32,53 +43,56 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 
-from miles.actors.base import Actor
+from miles.actors.base import Actor, ActorDied, ActorTimeout
 from miles.rl.logger import MetricsLogger
-from miles.wire.messages import (BufferMetricsRequest, Evaluate, GetBatch, GetEngines,
-                                 GetMetrics, GetQueuedPrompts, GetRolloutState, LoadCheckpoint,
-                                 PublishWeights,
-                                 Sample, SaveCheckpoint, SetVersion, StartRollout, StopRollout,
-                                 TrainStep)
+from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, EnginesUpdated,
+                                 Evaluate, GetBatch, GetEngines, GetMetrics, GetQueuedPrompts,
+                                 GetRolloutState, LoadCheckpoint, Message, PublishWeights, Sample,
+                                 SaveCheckpoint, SetVersion, StartRollout, StopRollout, TrainStep)
+
+ACTOR_RETRIES = 3    # re-sends of an idempotent call after the actor restarted
 
 
 class LoopDriver(Actor):
     async def run(self) -> int:
         r = self.recipe
         await self.connect()
-        step, version, data_state, replay = await self.resume_or_warm_start()
+        step, self.version, data_state, replay = await self.resume_or_warm_start()
         self.log = MetricsLogger(r.output_dir, r.logging, r.loop.num_steps, r.run.name, resume=step > 0)
         if self.log.bar is not None:
             self.log.bar.update(step)  # a resumed run shows the steps it already has
-        await self.evaluate(step, version, wait=True)
-        await self.buffer.call(SetVersion(version=version))
-        await self.rollout.call(StartRollout(data_state=data_state, replay=replay))
+        await self.evaluate(step, self.version, wait=True)
+        await self.buffer_call(SetVersion(version=self.version))
+        await self.rollout.call(StartRollout(data_state=data_state, replay=replay),
+                                retries=ACTOR_RETRIES)
 
         for step in range(step + 1, r.loop.num_steps + 1):
-            batch = await self.buffer.call(GetBatch(n_groups=r.loop.groups_per_step),
-                                           timeout_s=r.loop.timeout_s)
+            batch, request_id = await self.next_batch(step)
             t0 = time.monotonic()
             train_metrics = await self.train([s for g in batch.groups for s in g.samples])
             train_s = time.monotonic() - t0
-            version += 1
-            await self.publish(version)
-            await self.buffer.call(SetVersion(version=version))
-            self.log_step(step, version, batch, train_metrics, train_s, time.monotonic() - t0)
+            await self.buffer_call(ConfirmBatch(request_id=request_id))
+            self.version += 1
+            await self.publish(self.version)
+            await self.buffer_call(SetVersion(version=self.version))
+            self.log_step(step, self.version, batch, train_metrics, train_s, time.monotonic() - t0)
             if r.loop.eval_every and step % r.loop.eval_every == 0 and step < r.loop.num_steps:
-                await self.evaluate(step, version, wait=r.loop.mode == "sync")
+                await self.evaluate(step, self.version, wait=r.loop.mode == "sync")
             if r.loop.save_every and step % r.loop.save_every == 0:
-                await self.checkpoint(step, version)
+                await self.checkpoint(step, self.version)
 
-        await self.rollout.call(StopRollout())
+        await self.rollout.call(StopRollout(), retries=ACTOR_RETRIES)
         if not (r.loop.save_every and r.loop.num_steps % r.loop.save_every == 0):
-            await self.checkpoint(r.loop.num_steps, version)
-        await self.evaluate(r.loop.num_steps, version, wait=True)
+            await self.checkpoint(r.loop.num_steps, self.version)
+        await self.evaluate(r.loop.num_steps, self.version, wait=True)
         await asyncio.gather(*self.pending_evals)
         png = self.log.close(plot=r.logging.plot)
-        print(json.dumps({"done": True, "steps": r.loop.num_steps, "version": version,
+        print(json.dumps({"done": True, "steps": r.loop.num_steps, "version": self.version,
                           "reward_curve": str(png) if png else None}), flush=True)
         return 0
 
@@ -93,7 +107,11 @@ class LoopDriver(Actor):
         self.trainers = [rt.ref(f"trainer/{i}") for i in range(world)]
         for ref in [*self.trainers, self.buffer, self.rollout]:
             await rt.lookup(ref.name, wait_s=r.engine.start_timeout_s)
-        await rt.ref("engines").call(GetEngines(), timeout_s=r.engine.start_timeout_s)
+        self.engines = rt.ref("engines")
+        engine_set = await self.engines.call(GetEngines(), timeout_s=r.engine.start_timeout_s)
+        self.engine_generation = engine_set.generation
+        self.run_id = uuid.uuid4().hex[:8]  # batch request ids are unique to this driver
+        self.version = 0
         self.pending_evals: list[asyncio.Task] = []
         self.ckpt_root = Path(r.output_dir) / "checkpoints"
 
@@ -105,8 +123,62 @@ class LoopDriver(Actor):
         results = await self.on_all_trainers(TrainStep(samples=samples, phase=phase))
         return results[0].metrics
 
+    async def buffer_call(self, msg: Message, timeout_s: float = 60.0) -> Message:
+        """A buffer call that survives buffer restarts: wait for the new incarnation (it has
+        its journal), tell it the version again, re-send the (idempotent) message."""
+        for restarts in range(ACTOR_RETRIES + 1):
+            try:
+                return await self.buffer.call(msg, timeout_s=timeout_s)
+            except ActorDied as e:
+                if restarts == ACTOR_RETRIES:
+                    raise
+                print(f"[driver] {e}; waiting for its restart", flush=True)
+                incarnation = await self.buffer.wait_restarted(self.recipe.engine.start_timeout_s)
+                print(f"[driver] buffer incarnation {incarnation}: re-sending SetVersion("
+                      f"{self.version}) and {type(msg).__name__}", flush=True)
+                await self.buffer.call(SetVersion(version=self.version), retries=ACTOR_RETRIES)
+        raise AssertionError("unreachable")
+
+    async def next_batch(self, step: int) -> tuple[Batch, str]:
+        """Wait for the step's batch; meanwhile give restarted engines the current weights."""
+        r = self.recipe
+        request_id = f"{self.run_id}-step{step}"
+        get = asyncio.get_running_loop().create_task(self.buffer_call(
+            GetBatch(n_groups=r.loop.groups_per_step, request_id=request_id),
+            timeout_s=r.loop.timeout_s))
+        try:
+            while not (await asyncio.wait({get}, timeout=r.engine.health_interval_s))[0]:
+                await self.sync_engines()
+            return get.result(), request_id
+        except ActorTimeout:
+            raise TimeoutError(f"step {step}: no batch of {r.loop.groups_per_step} groups from the "
+                               f"buffer within loop.timeout_s = {r.loop.timeout_s} s") from None
+        finally:
+            get.cancel()
+
+    async def sync_engines(self) -> None:
+        try:
+            engine_set = await self.engines.call(GetEngines(), timeout_s=30.0)
+            if engine_set.generation == self.engine_generation:
+                return
+            urls = [*engine_set.engine_urls, *engine_set.pending_urls]
+            print(f"[driver] engine set generation {engine_set.generation}: publishing version "
+                  f"{self.version} to {urls}", flush=True)
+            await self.on_all_trainers(PublishWeights(version=self.version, engine_urls=urls))
+            await self.engines.call(EnginesUpdated(generation=engine_set.generation,
+                                                   version=self.version), timeout_s=60.0)
+            self.engine_generation = engine_set.generation
+        except (ActorDied, ActorTimeout, ConnectionError) as e:  # tried again next interval
+            print(f"[driver] engine set sync failed, retrying: {type(e).__name__}: {e}", flush=True)
+
     async def publish(self, version: int) -> None:
-        await self.on_all_trainers(PublishWeights(version=version))
+        engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
+        await self.on_all_trainers(PublishWeights(
+            version=version, engine_urls=[*engine_set.engine_urls, *engine_set.pending_urls]))
+        if engine_set.generation != self.engine_generation:
+            await self.engines.call(EnginesUpdated(generation=engine_set.generation,
+                                                   version=version), timeout_s=60.0)
+            self.engine_generation = engine_set.generation
 
     async def resume_or_warm_start(self) -> tuple[int, int, dict, list[int]]:
         r = self.recipe
@@ -152,8 +224,10 @@ class LoopDriver(Actor):
         if self.evaluator is None or self.recipe.eval.mode == "off":
             return
         ckpt = ""
-        if self.recipe.eval.mode in ("fleet", "external"):
-            ckpt = str(await self.checkpoint(step, version, hf=True))
+        if self.recipe.eval.mode in ("fleet", "external"):  # HF weights only: not a resume point
+            path = Path(self.recipe.output_dir) / "eval" / f"step_{step:06d}"
+            await self.on_all_trainers(SaveCheckpoint(path=str(path), hf=True))
+            ckpt = str(path)
 
         async def run() -> None:
             result = await self.evaluator.call(Evaluate(step=step, version=version, checkpoint_dir=ckpt),
@@ -176,23 +250,21 @@ class LoopDriver(Actor):
                       key=lambda p: int(p.name.split("_")[1]))
         return done[-1] if done else None
 
-    async def checkpoint(self, step: int, version: int, hf: bool = False) -> Path:
+    async def checkpoint(self, step: int, version: int) -> Path:
         path = self.ckpt_root / f"step_{step:06d}"
         # The rollout first, then the buffer: a group that moves between them meanwhile is in the
         # buffer's queue by the time it is asked (no batch is taken during a checkpoint).
-        state = await self.rollout.call(GetRolloutState())
-        queued = await self.buffer.call(GetQueuedPrompts())
+        state = await self.rollout.call(GetRolloutState(), retries=ACTOR_RETRIES)
+        queued = await self.buffer_call(GetQueuedPrompts())
         extra = {"step": step, "version": version, "data_state": state.data_state,
                  "replay_prompts": sorted(set(state.in_flight) | set(queued.indices))}
         await self.on_all_trainers(SaveCheckpoint(path=str(path), extra_state=extra))
-        if hf:
-            await self.on_all_trainers(SaveCheckpoint(path=str(path / "hf"), hf=True))
         (path / "loop_state.json").write_text(json.dumps(extra))  # written last: marks it complete
         return path
 
     def log_step(self, step, version, batch, train_metrics, train_s, step_s) -> None:
-        rewards = [float(next(iter(s.reward.values())) if isinstance(s.reward, dict) else s.reward or 0.0)
-                   for g in batch.groups for s in g.samples]
+        key = self.recipe.train.reward_key
+        rewards = [s.scalar_reward(key) for g in batch.groups for s in g.samples]
         lengths = [s.response_length for g in batch.groups for s in g.samples]
         metrics = {**{f"train/{k}": v for k, v in train_metrics.items()},
                    "rollout/reward": float(np.mean(rewards)), "rollout/response_len": float(np.mean(lengths)),

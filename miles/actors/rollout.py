@@ -5,17 +5,31 @@ Design decisions:
   requests; every finished trajectory frees its slot at once, so a long sample never holds back
   the short ones of other groups. Groups are started only when the buffer admits them
   (`Reserve`), which is where staleness is controlled; the worker itself never waits for the
-  trainer.
-- Token in, token out: prompts are tokenized here once; the engine's output ids are kept as they
-  are (never re-tokenized), with the engine's logprobs and per-token weight-version spans.
+  trainer. A group the buffer sends back for a retry is regenerated in its slot at once by its
+  own task, never through admission (in sync mode no new slot opens before that group is in).
+- Token in, token out: prompts are tokenized here once (`miles.rl.prompts`, as the evaluator
+  does); the engine's output ids are kept as they are (never re-tokenized), with the engine's
+  logprobs (None when it sent none: never invented zeros) and per-token weight-version spans.
 - Deterministic sampling: each sample's `sampling_seed` is derived from (run seed, prompt index,
   sample index, attempt), so the same recipe and seed give the same tokens under the same weights.
   This is what makes sync and fully-async identical at staleness 0.
 - Engines go through the gateway with `X-SMG-Routing-Key: <group id>`: samples of one prompt
   share a prefix and land on one engine.
-- Failures are data: an engine error or a reward-function error marks the sample "failed"; the
-  buffer's policy decides (retry the prompt, drop it). Nothing accepted is lost silently: every
-  reserved slot ends as a kept group or an explicit release.
+- Transient engine errors (connection refused/reset, 5xx, timeouts, a request aborted by a dying
+  engine) are retried per request with bounded exponential back-off (tenacity: 0.2 s doubling
+  to 5 s, for up to `rollout.engine_retry_s`), from the prompt with the same seed; the partial
+  tokens of an aborted request are dropped and counted (`rollout/requests_retried`,
+  `rollout/partial_tokens_dropped`). While requests fail so, admission pauses until the gateway
+  answers `/health` again: no new groups, no prompts burned.
+- Failures are data: an engine error past its budget or a reward-function error marks the sample
+  "failed"; the buffer's policy decides (retry the prompt, drop it). Nothing accepted is lost
+  silently: every reserved slot ends as a kept group or an explicit release (retried, and logged
+  loudly if it still fails). A synchronous reward function runs in a thread, so a slow one never
+  stalls the event loop (and its heartbeats).
+- The buffer journals where the worker is: each `Reserve` names its prompt and the data source's
+  state after reading it. A restarted worker (incarnation > 0) asks the buffer
+  (`GetRolloutResume`), regenerates the slots its predecessor left in place (same seeds) and reads
+  on from the journalled position: no prompt lost, none skipped, none trained twice.
 - Resume loses no prompt: at a checkpoint the driver stores the prompts started but not yet
   trained (groups generating here, waiting for a retry, or held by the buffer), and a resumed
   worker generates those first (`source.at(index)`, same seeds) before reading on from the
@@ -29,22 +43,38 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import time
 import uuid
 from typing import Any
 
+import msgspec
 import numpy as np
+from tenacity import (AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay,
+                      wait_exponential)
 
 from miles.actors.base import Actor
 from miles.rl.data import Prompt
-from miles.rl.rewards import call_maybe_async, check_reward, load_function
-from miles.wire.messages import (GetEngines, GetRolloutState, Group, PauseAdmission,
-                                 PutGroup, ReleaseSlot, Reserve, RolloutState, Sample,
+from miles.rl.rewards import check_reward, load_function
+from miles.wire.messages import (GetEngines, GetRolloutResume, GetRolloutState, Group,
+                                 NoteRolloutStart, OrphanSlot, PauseAdmission, PutGroup,
+                                 PutReply, ReleaseSlot, Reserve, RolloutState, Sample,
                                  StartRollout, StopRollout)
+
+BUFFER_RETRIES = 3   # re-sends of an idempotent buffer call after the buffer restarted
 
 
 def sample_seed(run_seed: int, prompt_index: int, sample_index: int, attempt: int) -> int:
     return (run_seed * 1_000_003 + prompt_index * 1_009 + sample_index * 7 + attempt * 100_003) % (2**31 - 1)
+
+
+class EngineAborted(Exception):
+    """The engine ended a request early (it was stopping or died): retried from the prompt."""
+
+
+def transient(e: BaseException) -> bool:
+    from miles.engines.client import EngineUnavailable
+    return isinstance(e, (EngineUnavailable, EngineAborted, ConnectionError, asyncio.TimeoutError))
 
 
 class RolloutWorker(Actor):
@@ -53,16 +83,23 @@ class RolloutWorker(Actor):
         self._running = False
         self._admission_open = asyncio.Event()
         self._admission_open.set()
+        self._engines_up = asyncio.Event()  # cleared while engine requests fail transiently
+        self._engines_up.set()
+        self._resumed = asyncio.Event()     # the restart check with the buffer is done
         self._tasks_groups: set[asyncio.Task] = set()
         self._group_prompts: dict[asyncio.Task, int] = {}  # running group -> its prompt index
         self.replay_queue: list[int] = []  # prompts untrained at the checkpoint we resumed from
+        self._pending: tuple[Prompt, dict | None, list[int]] | None = None  # read, not yet admitted
+        self._reserves = 0
         self._loop_task: asyncio.Task | None = None
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
         self.engine_idle_s = 0.0
+        self.admission_paused_s = 0.0
         self.recent_rewards: collections.deque = collections.deque(maxlen=512)
         self.counts = {"groups_started": 0, "groups_put": 0, "samples": 0, "samples_failed": 0,
-                       "tokens_generated": 0, "retries": 0}
+                       "tokens_generated": 0, "retries": 0, "requests_retried": 0,
+                       "partial_tokens_dropped": 0, "groups_resumed": 0}
 
     # ----- set-up ------------------------------------------------------------------------------
 
@@ -82,7 +119,10 @@ class RolloutWorker(Actor):
         self.reward_fn = load_function(self.cfg.reward, "rollout.reward")
         self.buffer = self.runtime.ref("buffer")
         self.semaphore = asyncio.Semaphore(self.cfg.max_inflight_samples)
-        self.retry_queue: list[tuple[Prompt, int, int]] = []  # (prompt, slot, attempt)
+        if self.incarnation > 0:
+            self._spawn(self._resume_after_restart())
+        else:
+            self._resumed.set()
 
     async def on_stop(self) -> None:
         await self._stop()
@@ -92,26 +132,59 @@ class RolloutWorker(Actor):
     # ----- control -----------------------------------------------------------------------------
 
     async def on_start_rollout(self, msg: StartRollout) -> None:
+        await self._resumed.wait()
+        if self._running:  # a re-send, or this incarnation resumed from the buffer's journal
+            return
         if msg.data_state:
             self.source.restore(msg.data_state)
-        self.replay_queue = list(msg.replay)
-        if self.replay_queue and not hasattr(self.source, "at"):
-            print(f"cannot replay {len(self.replay_queue)} prompts that were in flight at the "
-                  f"checkpoint: data source {type(self.source).__name__} has no at(index)", flush=True)
+        await self.buffer.call(NoteRolloutStart(data_state=self.source.state(), replay=list(msg.replay),
+                                                owner=self.incarnation), retries=BUFFER_RETRIES)
+        self._begin(list(msg.replay), [], "the checkpoint")
+
+    async def _resume_after_restart(self) -> None:
+        try:
+            res = await self.buffer.call(GetRolloutResume(owner=self.incarnation),
+                                         timeout_s=self.recipe.engine.start_timeout_s,
+                                         retries=BUFFER_RETRIES)
+            if not res.started:
+                print(f"[rollout] incarnation {self.incarnation}: no rollout was started yet; "
+                      f"waiting for StartRollout", flush=True)
+                return
+            if res.data_state:
+                self.source.restore(res.data_state)
+            print(f"[rollout] incarnation {self.incarnation} resumes from the buffer's journal: "
+                  f"regenerating {len(res.orphans)} groups in their slots", flush=True)
+            self._begin(list(res.replay), list(res.orphans), "the restart")
+        finally:
+            self._resumed.set()
+
+    def _begin(self, replay: list[int], orphans: list[OrphanSlot], where: str) -> None:
+        self.replay_queue = replay
+        if (self.replay_queue or orphans) and not hasattr(self.source, "at"):
+            print(f"cannot replay {len(self.replay_queue) + len(orphans)} prompts that were in "
+                  f"flight at {where}: data source {type(self.source).__name__} has no at(index)",
+                  flush=True)
             self.replay_queue = []
+            for o in orphans:
+                self._spawn(self._release(o.slot, "prompt cannot be regenerated (no at(index))"))
+            orphans = []
         replay = f", replaying {len(self.replay_queue)} prompts in flight at the checkpoint" \
             if self.replay_queue else ""
         print(f"starting at data position {self.source.state().get('position', '?')}{replay}", flush=True)
-        if not self._running:
-            self._running = True
-            self._loop_task = asyncio.get_running_loop().create_task(self._admit_loop())
+        self._running = True
+        for o in orphans:
+            self.counts["groups_resumed"] += 1
+            self._start_group(self.source.at(o.prompt_index), o.slot, o.attempt)
+        self._loop_task = asyncio.get_running_loop().create_task(self._admit_loop())
 
     async def on_stop_rollout(self, msg: StopRollout) -> None:
         await self._stop()
 
     async def _stop(self) -> None:
         # Groups cut off here were never trained: a checkpoint taken after this still lists them.
-        self.replay_queue = [*self._group_prompts.values(), *self.replay_queue]
+        pending = [self._pending[0].index] if self._pending else []
+        self.replay_queue = [*self._group_prompts.values(), *pending, *self.replay_queue]
+        self._pending = None
         self._running = False
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -123,32 +196,49 @@ class RolloutWorker(Actor):
         (self._admission_open.clear if msg.paused else self._admission_open.set)()
 
     def on_get_rollout_state(self, msg: GetRolloutState) -> RolloutState:
-        in_flight = [*self._group_prompts.values(), *(p.index for p, _, _ in self.retry_queue),
-                     *self.replay_queue]
+        pending = [self._pending[0].index] if self._pending else []
+        in_flight = [*self._group_prompts.values(), *pending, *self.replay_queue]
         return RolloutState(data_state=self.source.state(), metrics=self.metrics(),
                             in_flight=sorted(in_flight))
 
     # ----- the admission loop ------------------------------------------------------------------
 
+    def _next_prompt(self) -> tuple[Prompt, dict | None, list[int]]:
+        """The next prompt, the source's state after it, and the replay list left after it."""
+        if self.replay_queue:
+            prompt = self.source.at(self.replay_queue.pop(0))
+        else:
+            prompt = next(self.source)
+        return prompt, self.source.state(), list(self.replay_queue)
+
     async def _admit_loop(self) -> None:
         while self._running:
             await self._admission_open.wait()
-            if self.retry_queue:
-                prompt, slot, attempt = self.retry_queue.pop(0)
+            await self._wait_engines_up()
+            if self._pending is None:
+                self._pending = self._next_prompt()
+            prompt, data_state, replay = self._pending
+            self._reserves += 1
+            reservation = await self.buffer.call(
+                Reserve(prompt_index=prompt.index, data_state=data_state, replay=replay,
+                        request_id=f"{self.incarnation}-{self._reserves}", owner=self.incarnation),
+                timeout_s=10**9, retries=BUFFER_RETRIES)
+            if reservation.retry_prompt >= 0 and reservation.retry_prompt != prompt.index:
+                # The slot went to a prompt rejected as stale; ours waits for the next slot.
+                if not hasattr(self.source, "at"):
+                    self._spawn(self._release(reservation.slot, "stale prompt cannot be regenerated"))
+                    continue
+                prompt = self.source.at(reservation.retry_prompt)
             else:
-                reservation = await self.buffer.call(Reserve(), timeout_s=10**9)
-                slot, attempt = reservation.slot, 0
-                if reservation.retry_prompt >= 0 and hasattr(self.source, "at"):
-                    prompt = self.source.at(reservation.retry_prompt)
-                elif self.replay_queue:
-                    prompt = self.source.at(self.replay_queue.pop(0))
-                else:
-                    prompt = next(self.source)
-            self.counts["groups_started"] += 1
-            task = asyncio.get_running_loop().create_task(self._run_group(prompt, slot, attempt))
-            self._tasks_groups.add(task)
-            self._group_prompts[task] = prompt.index
-            task.add_done_callback(self._group_done)
+                self._pending = None
+            self._start_group(prompt, reservation.slot, 0)
+
+    def _start_group(self, prompt: Prompt, slot: int, attempt: int) -> None:
+        self.counts["groups_started"] += 1
+        task = asyncio.get_running_loop().create_task(self._run_group(prompt, slot, attempt))
+        self._tasks_groups.add(task)
+        self._group_prompts[task] = prompt.index
+        task.add_done_callback(self._group_done)
 
     def _group_done(self, task: asyncio.Task) -> None:
         self._tasks_groups.discard(task)
@@ -156,17 +246,27 @@ class RolloutWorker(Actor):
 
     async def _run_group(self, prompt: Prompt, slot: int, attempt: int) -> None:
         try:
-            await self._generate_group(prompt, slot, attempt)
+            while (await self._generate_group(prompt, slot, attempt)).decision == "retry":
+                self.counts["retries"] += 1
+                attempt += 1
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never leak a reserved slot: the buffer would wait for it forever
             print(f"group for prompt {prompt.index} failed: {type(e).__name__}: {e}", flush=True)
-            try:
-                await self.buffer.call(ReleaseSlot(slot=slot, reason=f"{type(e).__name__}: {e}"))
-            except Exception:
-                pass
+            await self._release(slot, f"{type(e).__name__}: {e}")
 
-    async def _generate_group(self, prompt: Prompt, slot: int, attempt: int) -> None:
+    async def _release(self, slot: int, reason: str) -> None:
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(5), reraise=True,
+                                               wait=wait_exponential(multiplier=0.2, max=5.0)):
+                with attempt:
+                    await self.buffer.call(ReleaseSlot(slot=slot, reason=reason), timeout_s=30.0,
+                                           retries=BUFFER_RETRIES)
+        except Exception as e:
+            print(f"ERROR [rollout] slot {slot} could not be released ({type(e).__name__}: {e}); "
+                  f"the buffer will hold its admission window until it is", flush=True)
+
+    async def _generate_group(self, prompt: Prompt, slot: int, attempt: int) -> PutReply:
         group_id = f"p{prompt.index}-a{attempt}-{uuid.uuid4().hex[:6]}"
         prompt_ids = self.tokenize_prompt(prompt)
         samples = await asyncio.gather(*(
@@ -175,11 +275,10 @@ class RolloutWorker(Actor):
         if self.cfg.reward_batched:
             await self._reward_group(samples)
         group = Group(group_id=group_id, samples=list(samples), prompt_index=prompt.index)
-        reply = await self.buffer.call(PutGroup(group=group, slot=slot), timeout_s=10**9)
+        reply = await self.buffer.call(PutGroup(group=group, slot=slot, owner=self.incarnation),
+                                       timeout_s=10**9, retries=BUFFER_RETRIES)
         self.counts["groups_put"] += 1
-        if reply.decision == "retry":
-            self.counts["retries"] += 1
-            self.retry_queue.append((prompt, slot, attempt + 1))
+        return reply
 
     async def _sample(self, prompt: Prompt, prompt_ids: list[int], group_id: str, index: int,
                       attempt: int) -> Sample:
@@ -190,7 +289,8 @@ class RolloutWorker(Actor):
         async with self.semaphore:
             self._busy(+1)
             try:
-                sample = await self.generate_sample(sample, sample_seed(self.seed, prompt.index, index, attempt))
+                sample = await self._generate_retrying(
+                    sample, sample_seed(self.seed, prompt.index, index, attempt))
             except Exception as e:
                 sample.status, sample.metadata["error"] = "failed", f"{type(e).__name__}: {e}"
             finally:
@@ -198,20 +298,69 @@ class RolloutWorker(Actor):
         self.counts["samples"] += 1
         if sample.status in ("completed", "truncated") and not self.cfg.reward_batched:
             try:
-                sample.reward = check_reward(await call_maybe_async(self.reward_fn, sample),
+                sample.reward = check_reward(await self._call_reward(sample),
                                              f"rollout.reward {self.cfg.reward!r}")
             except Exception as e:
                 sample.status, sample.metadata["error"] = "failed", f"reward: {type(e).__name__}: {e}"
         if sample.status == "failed":
             self.counts["samples_failed"] += 1
-        elif isinstance(sample.reward, (int, float)):
-            self.recent_rewards.append(float(sample.reward))
+        elif sample.reward is not None:
+            try:
+                self.recent_rewards.append(sample.scalar_reward(self.recipe.train.reward_key))
+            except ValueError:
+                pass  # a dict reward without train.reward_key: the trainer names the problem
         return sample
+
+    async def _generate_retrying(self, sample: Sample, seed: int) -> Sample:
+        """`generate_sample`, retried from the prompt (same seed) on transient engine errors."""
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception(transient), reraise=True,
+                wait=wait_exponential(multiplier=0.2, max=5.0),
+                stop=stop_after_delay(self.cfg.engine_retry_s), before_sleep=self._note_retry):
+            with attempt:
+                out = await self.generate_sample(
+                    msgspec.structs.replace(sample, metadata=dict(sample.metadata)), seed)
+                if out.status == "aborted":
+                    self.counts["partial_tokens_dropped"] += out.response_length
+                    raise EngineAborted(f"the engine aborted the request after "
+                                        f"{out.response_length} tokens")
+                self._engines_up.set()
+                return out
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _note_retry(self, state) -> None:
+        self.counts["requests_retried"] += 1
+        self._engines_up.clear()
+
+    async def _wait_engines_up(self) -> None:
+        """While engine requests fail transiently, start nothing until the gateway answers."""
+        if self._engines_up.is_set():
+            return
+        t0, delay = time.monotonic(), 0.2
+        print("[rollout] engine requests are failing: admission paused until the gateway is "
+              "healthy", flush=True)
+        while not self._engines_up.is_set():
+            if await self.client.health():
+                break
+            try:
+                await asyncio.wait_for(self._engines_up.wait(), delay)
+            except asyncio.TimeoutError:
+                delay = min(5.0, delay * 2)
+        self._engines_up.set()
+        self.admission_paused_s += time.monotonic() - t0
+        print(f"[rollout] admission resumed after {time.monotonic() - t0:.1f}s", flush=True)
+
+    async def _call_reward(self, arg: Any) -> Any:
+        fn = self.reward_fn
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+            return await fn(arg)
+        out = await asyncio.to_thread(fn, arg)  # a slow def must not stall heartbeats
+        return await out if inspect.isawaitable(out) else out
 
     async def _reward_group(self, samples: list[Sample]) -> None:
         ok = [s for s in samples if s.status in ("completed", "truncated")]
         try:
-            rewards = await call_maybe_async(self.reward_fn, ok)
+            rewards = await self._call_reward(ok)
             if len(rewards) != len(ok):
                 raise ValueError(f"returned {len(rewards)} rewards for {len(ok)} samples")
             for s, r in zip(ok, rewards):
@@ -223,16 +372,13 @@ class RolloutWorker(Actor):
     # ----- overridable pieces ------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt.prompt, list):
-            return list(self.tokenizer.apply_chat_template(prompt.prompt, add_generation_prompt=True,
-                                                           tokenize=True))
-        if self.recipe.data.apply_chat_template:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.prompt}], add_generation_prompt=True, tokenize=True))
-        return self.tokenizer.encode(prompt.prompt, add_special_tokens=False)
+        from miles.rl.prompts import prompt_token_ids
+        return prompt_token_ids(self.tokenizer, prompt.prompt, self.recipe.data.apply_chat_template)
 
     async def generate_sample(self, sample: Sample, seed: int) -> Sample:
-        """One engine call; override for multi-turn or tool use (keep tokens token-exact)."""
+        """One engine call; override for multi-turn or tool use (keep tokens token-exact).
+        Raise (or return status "aborted") on an engine failure: the caller retries transient
+        ones from the prompt."""
         from miles.engines.client import SamplingParams
 
         cfg = self.cfg
@@ -248,7 +394,9 @@ class RolloutWorker(Actor):
         sample.tokens = np.concatenate([sample.tokens, out])
         sample.response_length = len(out)
         sample.loss_mask = np.ones(len(out), np.uint8)
-        sample.rollout_logprobs = np.asarray(result.output_logprobs or [0.0] * len(out), np.float32)
+        # None when the engine sent none: zeros would be silently wrong ratios in the trainer.
+        sample.rollout_logprobs = (np.asarray(result.output_logprobs, np.float32)
+                                   if result.output_logprobs is not None else None)
         sample.weight_versions = result.version_spans()
         if result.routed_experts is not None:
             sample.routed_experts = np.ascontiguousarray(result.routed_experts, np.int32)
@@ -272,7 +420,8 @@ class RolloutWorker(Actor):
         out = super().metrics()
         idle = self.engine_idle_s + (time.monotonic() - self.idle_since if self.idle_since else 0.0)
         out.update({f"rollout/{k}": float(v) for k, v in self.counts.items()})
-        out.update({"rollout/inflight": float(self.inflight), "rollout/engine_idle_s": idle})
+        out.update({"rollout/inflight": float(self.inflight), "rollout/engine_idle_s": idle,
+                    "rollout/admission_paused_s": self.admission_paused_s})
         if self.recent_rewards:  # every sample, before the buffer's filter (the batch is biased)
             out["rollout/reward_recent"] = sum(self.recent_rewards) / len(self.recent_rewards)
         return out

@@ -7,8 +7,9 @@ import pytest
 
 from miles.actors.base import Registry, Runtime
 from miles.actors.buffer import Buffer, BufferPolicy, Decision
-from miles.wire.messages import (BufferMetricsRequest, GetBatch, Group, PutGroup, ReleaseSlot,
-                                 Reserve, Sample, SetVersion, VersionSpan)
+from miles.wire.messages import (BufferMetricsRequest, ConfirmBatch, GetBatch, GetRolloutResume,
+                                 Group, NoteRolloutStart, PutGroup, ReleaseSlot, Reserve, Sample,
+                                 SetVersion, VersionSpan)
 
 
 def group(gid, version=0, rewards=(1.0, 0.0), status="completed"):
@@ -154,3 +155,90 @@ async def test_release_slot_and_user_policy(buf):
     await ref.call(ReleaseSlot(slot=s, reason="prompt failed for good"))
     s = (await ref.call(Reserve())).slot
     assert (await ref.call(PutGroup(group=group("g2"), slot=s))).decision == "keep"
+
+
+# ----- the slot state machine, two-phase batches, idempotent re-sends (issue 15) ---------------
+
+def states(b):
+    return {row["slot"]: row["state"] for row in b.slot_table()}
+
+
+async def test_slot_table_follows_the_state_machine(buf):
+    b, ref = buf
+    b.configure(groups_per_step=1, max_staleness=1)
+    r = await ref.call(Reserve(prompt_index=7, data_state={"position": 8}))
+    assert states(b) == {0: "generating"} and b.slot_table()[0]["prompt_index"] == 7
+    assert (await ref.call(PutGroup(group=group("bad", status="failed"), slot=r.slot))).decision == "retry"
+    assert states(b) == {0: "retry"} and b.slot_table()[0]["attempt"] == 1
+    assert (await ref.call(PutGroup(group=group("good"), slot=r.slot))).decision == "keep"
+    assert states(b) == {0: "queued"}
+    batch = await ref.call(GetBatch(n_groups=1, request_id="step1"))
+    assert states(b) == {0: "out"} and [g.group_id for g in batch.groups] == ["good"]
+    again = await ref.call(GetBatch(n_groups=1, request_id="step1"))   # a re-send: the same groups
+    assert [g.group_id for g in again.groups] == ["good"]
+    m = (await ref.call(BufferMetricsRequest())).values
+    assert (m["buffer/slots_out"], m["buffer/slots_queued"], m["buffer/trained"]) == (1, 0, 0)
+    await ref.call(ConfirmBatch(request_id="step1"))
+    await ref.call(ConfirmBatch(request_id="step1"))                   # idempotent
+    m = (await ref.call(BufferMetricsRequest())).values
+    assert states(b) == {} and m["buffer/trained"] == 1 and m["buffer/batches"] == 1
+
+
+async def test_get_batch_that_times_out_midway_puts_back_what_it_popped(buf):
+    """Regression: a GetBatch that popped some groups and then timed out (or was cancelled)
+    lost them; the next GetBatch waited for groups that were gone."""
+    b, ref = buf
+    b.configure(groups_per_step=2, max_staleness=1)
+    s = (await ref.call(Reserve())).slot
+    await ref.call(PutGroup(group=group("g0"), slot=s))
+    with pytest.raises(Exception, match="Timeout"):
+        await ref.call(GetBatch(n_groups=2, timeout_s=0.3), timeout_s=10)
+    assert states(b) == {0: "queued"} and len(b.queue) == 1
+    s = (await ref.call(Reserve())).slot
+    await ref.call(PutGroup(group=group("g1"), slot=s))
+    batch = await ref.call(GetBatch(n_groups=2), timeout_s=5)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1"]
+
+
+async def test_reserve_and_put_re_sent_after_a_lost_reply_change_nothing(buf):
+    b, ref = buf
+    b.configure(groups_per_step=2, max_staleness=0)
+    first = await ref.call(Reserve(prompt_index=3, request_id="r-1"))
+    again = await ref.call(Reserve(prompt_index=3, request_id="r-1"))
+    assert first.slot == again.slot == 0 and b.next_slot == 1
+    put = PutGroup(group=group("g"), slot=0)
+    assert (await ref.call(put)).decision == "keep"
+    assert (await ref.call(put)).reason == "already accepted"
+    m = (await ref.call(BufferMetricsRequest())).values
+    assert m["buffer/kept"] == 1 and m["buffer/queue_groups"] == 1
+
+
+async def test_a_restarted_rollout_takes_over_the_orphaned_slots(buf):
+    b, ref = buf
+    b.configure(groups_per_step=4, max_staleness=0)
+    await ref.call(NoteRolloutStart(data_state={"position": 10}, replay=[2], owner=0))
+    await ref.call(Reserve(prompt_index=2, data_state={"position": 10}, replay=[], owner=0))
+    await ref.call(Reserve(prompt_index=10, data_state={"position": 11}, owner=0))
+    await ref.call(Reserve(prompt_index=11, data_state={"position": 12}, owner=0))
+    await ref.call(PutGroup(group=group("g", rewards=(1.0, 0.0)), slot=2, owner=0))
+    resume = await ref.call(GetRolloutResume(owner=1))
+    assert resume.started and resume.data_state == {"position": 12} and resume.replay == []
+    assert [(o.slot, o.prompt_index) for o in resume.orphans] == [(0, 2), (1, 10)]
+    late = await ref.call(PutGroup(group=group("ghost"), slot=0, owner=0))   # the dead incarnation
+    assert late.decision == "drop" and "incarnation 1" in late.reason
+    assert (await ref.call(PutGroup(group=group("redo"), slot=0, owner=1))).decision == "keep"
+    with pytest.raises(Exception, match="incarnation 1 owns"):
+        await ref.call(Reserve(prompt_index=12, owner=0))
+
+
+async def test_sync_mode_retry_keeps_its_slot_and_needs_no_new_one(buf):
+    """The buffer side of the sync-mode deadlock: with max_staleness 0 a retried group keeps its
+    slot, no new slot opens, and the retry's put completes the batch."""
+    b, ref = buf
+    b.configure(groups_per_step=2, max_staleness=0)
+    s0, s1 = [(await ref.call(Reserve(prompt_index=i))).slot for i in range(2)]
+    await ref.call(PutGroup(group=group("a"), slot=s0))
+    assert (await ref.call(PutGroup(group=group("b", status="failed"), slot=s1))).decision == "retry"
+    assert await reserve_nowait(ref) is None              # no new slot: only the retry can finish
+    await ref.call(PutGroup(group=group("b2"), slot=s1))
+    assert [g.group_id for g in (await ref.call(GetBatch(n_groups=2))).groups] == ["a", "b2"]

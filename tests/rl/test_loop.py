@@ -14,12 +14,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+PLUGINS = str(Path(__file__).resolve().parent / "plugins")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PLUGINS, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def run_recipe(tmp_path, name, overrides=(), timeout_s=600, stop_after_s=None):
     out = tmp_path / name
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(name)}",
             "--set", "logging.progress=false", "--set", f"cluster.head_port={_free_port()}", *_sets(overrides)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
+    env = _env()
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -69,7 +78,7 @@ def test_sync_and_fully_async_at_staleness_0_make_the_same_updates(tmp_path):
     common = ["loop.num_steps=3", "loop.eval_every=0", "loop.save_every=0", "eval.mode=\"off\"",
               "loop.groups_per_step=4", "buffer.filter=\"none\""]
     runs = {}
-    for mode, extra in (("sync", ['loop.mode="sync"']), ("async0", ['loop.mode="fully_async"', "loop.max_staleness=0"])):
+    for mode, extra in (("sync", ['loop.mode="sync"', "loop.max_staleness=0"]), ("async0", ['loop.mode="fully_async"', "loop.max_staleness=0"])):
         code, log, out = run_recipe(tmp_path, mode, [*common, *extra])
         assert code == 0, log[-3000:]
         runs[mode] = records(out, "train")
@@ -111,3 +120,61 @@ def test_sigint_then_resume_continues_at_the_step_and_data_position(tmp_path):
             "in flight at the checkpoint") in log
     steps = [r["step"] for r in records(out, "train")]
     assert steps[-2:] == [5, 6] and 1 not in steps[4:]         # continued, not restarted
+
+
+def test_sync_mode_survives_retried_groups(tmp_path):
+    """Regression (issue 15, item 1): with max_staleness 0 the first retried group deadlocked the
+    loop: the worker's admission loop waited in Reserve while the retry waited behind it, and no
+    slot opens before the version advances, which needed that group."""
+    code, log, out = run_recipe(tmp_path, "sync_retry", [
+        'loop.mode="sync"', "loop.max_staleness=0", "loop.num_steps=3", "loop.groups_per_step=4", "loop.timeout_s=90",
+        'eval.mode="off"', "sft.steps=5", 'buffer.filter="none"',
+        'rollout.reward="flaky:first_attempt_fails"'], timeout_s=300)
+    assert code == 0, log[-3000:]
+    assert [r["step"] for r in records(out, "train")] == [1, 2, 3]
+    assert all(r["batch/staleness_avg"] == 0 for r in records(out, "train"))
+    assert max(r.get("buffer/retried", 0) for r in records(out, "actors")) > 0
+
+
+def _actor_pid(head_port: int, name: str) -> int | None:
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"MILES_ACTOR_NAME={name}".encode() in env and any(
+                e.startswith(b"MILES_REGISTRY=") and e.endswith(f":{head_port}".encode()) for e in env):
+            return int(proc.name)
+    return None
+
+
+def test_a_killed_buffer_and_rollout_come_back_and_the_run_completes(tmp_path):
+    """SIGKILL the buffer mid-run, then the rollout worker: the buffer restores its journal, the
+    worker resumes from it, and every step trains a full batch (issue 15, item 3)."""
+    out, port = tmp_path / "kills", _free_port()
+    args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
+            "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",
+            "--set", f"cluster.head_port={port}", *_sets([
+                "loop.num_steps=8", "loop.groups_per_step=4", 'eval.mode="off"', "sft.steps=5",
+                "loop.save_every=0", "loop.timeout_s=120"])]
+    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for name, at_step in (("buffer", 2), ("rollout", 5)):
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and proc.poll() is None:
+                if (out / "metrics.jsonl").exists() and any(
+                        r["step"] >= at_step for r in records(out, "train")):
+                    break
+                time.sleep(0.2)
+            pid = _actor_pid(port, name)
+            assert pid is not None, f"no {name} process found"
+            os.kill(pid, signal.SIGKILL)
+        log = proc.communicate(timeout=300)[0].decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, log[-4000:]
+    assert "[buffer] restored from" in log and "resumes from the buffer's journal" in log, log[-4000:]
+    train = records(out, "train")
+    assert [r["step"] for r in train] == list(range(1, 9))
