@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -447,7 +448,7 @@ class NodeDaemon(Actor):
         if proc is None or not proc.alive:
             return
         child.proc = None  # the supervisor must not restart it
-        if await proc.stop_async(grace_s) is None:
+        if await proc.stop_async(grace_s, term_descendants=False) is None:
             self._log(f"{child.name} (pid {proc.pid}) did not exit {grace_s}s after SIGTERM "
                       f"(cluster.shutdown_grace_s) nor after SIGKILL: leaving it")
 
@@ -456,6 +457,8 @@ class NodeDaemon(Actor):
             return
         self._shutting_down = True
         self.exit_code = code
+        # The registry lives in this process: actors going away now are the shutdown, not news.
+        logging.getLogger("miles.actors.base").setLevel(logging.ERROR)
         if not by_signal:  # a signal gets one line, once the children are down
             self._log(f"shutting down: {reason}")
         if self.node.node_rank == 0 and self.node.nnodes > 1:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import os
 import re
 import signal
@@ -157,13 +158,13 @@ class SupervisedProcess:
                         f"{self.describe()} still running after timeout_s={timeout_s} (waited "
                         f"for it {what}); command: {' '.join(self.argv)}\nlast lines of "
                         f"{self.log_path}:\n{self.log_tail()}")
-                step = 0.02 if exited.done() or pidfd is None else None
-                if step is None:
+                if pidfd is not None and not exited.done():
                     try:
                         await asyncio.wait_for(asyncio.shield(exited), left)
                     except asyncio.TimeoutError:
                         pass
                 else:
+                    step = 0.02 if exited.done() else 0.1
                     await asyncio.sleep(step if left is None else min(step, left))
             return code
         finally:
@@ -182,9 +183,12 @@ class SupervisedProcess:
             else:
                 _signal(p, sig)
 
-    def stop(self, grace_s: float = 10.0) -> int | None:
+    def stop(self, grace_s: float = 10.0, *, term_descendants: bool = True) -> int | None:
         """SIGTERM the process and its group, SIGKILL whatever is left after `grace_s`. Idempotent.
 
+        `term_descendants=False` leaves children that started sessions of their own to the
+        process itself for the grace period (an actor stops its servers in order, and a server
+        that vanished under it first would read as a crash); they are SIGKILLed after it.
         Returns the exit code (negative: killed by that signal), None if it would not die
         (uninterruptible sleep): stop() reports that rather than hang.
         """
@@ -197,7 +201,8 @@ class SupervisedProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         for p in others:
-            _signal(p, signal.SIGTERM)
+            if term_descendants or _pgid(p.pid) == self.proc.pid:
+                _signal(p, signal.SIGTERM)
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -211,8 +216,9 @@ class SupervisedProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    async def stop_async(self, grace_s: float = 10.0) -> int | None:
-        return await asyncio.to_thread(self.stop, grace_s)
+    async def stop_async(self, grace_s: float = 10.0, *, term_descendants: bool = True) -> int | None:
+        return await asyncio.to_thread(functools.partial(self.stop, grace_s,
+                                                         term_descendants=term_descendants))
 
     def kill(self) -> None:
         """SIGKILL the top process only (fault-injection in tests; the group is left alone)."""
@@ -332,6 +338,13 @@ def _members(pid: int) -> list[psutil.Process]:
         except (ProcessLookupError, psutil.Error):
             pass
     return list(found.values())
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _signal(p: psutil.Process, sig: int) -> None:

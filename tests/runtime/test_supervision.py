@@ -3,13 +3,12 @@ start failures and crash loops end the job within seconds with one message and t
 hung actor is named when it is killed, Ctrl-C ends with one line saying where to resume."""
 
 import json
+import os
 import re
 import signal
 import time
 
 import pytest
-
-from conftest import ROOT  # noqa: F401  (the plugins directory is on the children's PYTHONPATH)
 
 HEAD = '''
 [run]
@@ -129,7 +128,6 @@ class = "miles.demo:Sink"
     while "[driver] waiting" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)  # the sink is serving too
-    import os
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends its foreground group
     code, text = _finish(proc, log, 30)
     assert code == 130, text[-3000:]
