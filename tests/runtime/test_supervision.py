@@ -135,3 +135,36 @@ class = "miles.demo:Sink"
     assert stopped == [f"[node/0] shutting down: signal SIGINT; stopped at step 4 (checkpoint "
                        f"{ckpts / 'step_000004'}); run the same command again to resume"], text
     assert "Traceback" not in text and "Error" not in text, text
+
+
+def test_ctrl_c_in_an_actor_process_during_its_imports_prints_no_traceback(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    plugins = Path(__file__).parent / "plugins"
+    env = {**os.environ, "MILES_ACTOR_NAME": "slow", "MILES_ACTOR_CLASS": "slow_import_actor:Slow",
+           "PYTHONPATH": f"{plugins}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "miles.actors.host"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline() == b"importing\n"
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 130 and "Traceback" not in out, out
+
+
+def test_a_start_failure_on_another_node_ends_the_job_from_the_head(node_launcher):
+    recipe = HEAD + '''
+[actors.driver]
+class = "supervision_actors:Waiter"
+main = true
+node = 0
+[actors.sink]
+class = "supervision_actors:FailsOnStart"
+node = 1
+'''
+    procs, _, logs = node_launcher(recipe, nnodes=2)
+    codes = [_finish(p, log, 60)[0] for p, log in zip(procs, logs)]
+    head, other = logs[0].read_text(), logs[1].read_text()
+    assert codes == [1, 1], head + other
+    assert "[node/0] shutting down: actor sink failed: incarnation 1 exited with code 1" in head
+    assert "RuntimeError: the reward module is missing" in head.split("actor sink failed", 1)[1]
