@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import threading
 import re
+import typing
 from typing import Any, Sequence
 
 import msgspec
 import numpy as np
 
-from miles.wire.messages import PROTOCOL_VERSION, Header, Message, registered_messages
+from miles.wire.messages import PROTOCOL_VERSION, Header, Kind, Message, registered_messages
 
 ARRAY_EXT = 1
 ECHO_CHARS = 100
-KINDS = frozenset(("call", "tell", "reply", "error", "stream_open", "stream_item", "stream_credit",
-                   "stream_end", "stream_close", "cancel", "probe"))
+KINDS = frozenset(typing.get_args(Kind))
 _DTYPES = {np.dtype(t).str: np.dtype(t) for t in (
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
     "float16", "float32", "float64")}
@@ -127,7 +127,7 @@ class Codec:
         if self._decoder is None or len(registry) != self._known:
             union = tuple(registry.values())
             self._decoder = msgspec.msgpack.Decoder(
-                union[0] if len(union) == 1 else __import__("typing").Union[union],
+                union[0] if len(union) == 1 else typing.Union[union],
                 dec_hook=_dec_hook, ext_hook=_ext_hook)
             self._known = len(registry)
         return self._decoder
@@ -209,7 +209,7 @@ def _peek_type(body: Any) -> str:
         tag = obj.get("type")
         if tag is None:
             return "body (a map without a 'type' tag)"
-        return tag if isinstance(tag, str) else f"body (a {type(tag).__name__} 'type' tag)"
+        return tag if isinstance(tag, str) else f"body (its 'type' tag is not a string but {type(tag).__name__})"
     name = type(obj).__name__
     return f"body (a msgpack {_MSGPACK_TYPES.get(name, name)}, not a message map)"
 
@@ -225,8 +225,12 @@ def _field_of(e: Exception) -> str:
     return f"a key in {m.group(2)}" if m.group(1) else m.group(2)
 
 
+_QUOTED = re.compile(r"'([^']{%d})[^']+'" % ECHO_CHARS)
+
+
 def _explain(e: Exception) -> str:
-    return _AT.sub("", str(e))
+    text = _AT.sub("", str(e)).replace("got `unknown`", "got a byte msgpack never uses")
+    return _QUOTED.sub(r"'\1...'", text)
 
 
 _default = Codec()

@@ -24,9 +24,9 @@ Design decisions:
   travels as one small frame per array.
 - Frames are sent with copy=False: pyzmq still copies small frames (below its copy threshold),
   while large array frames go to the kernel straight from the numpy buffer.
-- A frame that fails to decode is counted and dropped; whenever its header's kind and id can be
-  read (any protocol version, any frame count) and it expected an answer, the sender gets an
-  error reply naming the message type and field, so it does not hang.
+- A frame that fails to decode is counted and dropped; whenever its header's kind and a call id
+  can be read (any protocol version, any frame count, any kind), the sender gets an error reply
+  naming the message type and field, so it does not hang. Tells carry id 0 and get none.
 - Stream credits: the receiver grants credits; a sender waits for one before each item, so a slow
   consumer slows the producer and nothing is dropped.
 - Sockets are plain (not zmq.asyncio) sockets driven by `_Pump`: the loop watches the socket's
@@ -34,7 +34,8 @@ Design decisions:
   (its queues are unbounded here, so a send never blocks). This removes a future and a poller
   round per message, which is most of the per-call cost on a small machine.
 - With CurveZMQ keys (`miles.wire.auth`), the inbox is a CURVE server and every connection a CURVE
-  client; without them the sockets are plain.
+  client; without them the sockets are plain. A connection whose handshake fails (keys on one end
+  only, or the wrong keys) fails its calls at once with a message saying so.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class RemoteError(RuntimeError):
 MAX_FRAME_BYTES = 1 << 30
 HEARTBEAT_IVL_MS = 2_000
 HEARTBEAT_TIMEOUT_MS = 20_000
-# Frame kinds a caller waits on: refusing one of them without a reply would leave it hanging.
-_ANSWERED = frozenset(("call", "stream_open", "stream_item", "stream_end"))
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _INBOX_KINDS = frozenset(("call", "tell", "stream_open", "stream_item", "stream_end",
                           "stream_close", "cancel"))
 
@@ -198,8 +199,8 @@ class Server:
             log.exception("%s: dispatch of %s failed", self.name, type(msg).__name__)
 
     def _refuse(self, ident: bytes, frames, error: WireError) -> None:
-        header = self.codec.peek_header(frames)
-        if header is not None and header.kind in _ANSWERED:
+        header = self.codec.peek_header(frames)  # None unless it names a call id (> 0)
+        if header is not None:
             self.send_now(ident, "error", ErrorReply(error_type=type(error).__name__,
                                                      message=str(error), actor=self.name),
                           header.id)
@@ -260,7 +261,8 @@ class Connection:
         if curve is not None:
             auth.make_client(self.sock, curve)
         self._monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            | _HANDSHAKE_FAILED)
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future] = {}
@@ -336,6 +338,11 @@ class Connection:
             self._connected = True
         elif event["event"] == zmq.EVENT_DISCONNECTED and self._connected and self.lost is None:
             self._fail(ConnectionLost(f"connection to {self.endpoint} lost"))
+        elif event["event"] & _HANDSHAKE_FAILED and self.lost is None:
+            self._fail(ConnectionLost(
+                f"the handshake with {self.endpoint} failed: both ends must hold the job's CurveZMQ "
+                f"keys (cluster.auth = 'curve', {auth.CURVE_PUBLIC_ENV} / {auth.CURVE_SECRET_ENV}) "
+                "or neither"))
         elif (event["event"] == zmq.EVENT_CONNECT_RETRIED and not self._connected
               and self.fail_if_refused and self.lost is None):
             self._fail(ConnectionLost(f"connection to {self.endpoint} refused: nothing listens "

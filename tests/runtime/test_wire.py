@@ -97,3 +97,38 @@ def test_sample_validate_names_the_field():
         s.validate()
     batch = SampleBatch(samples=[_sample()])
     assert decode(encode("call", batch))[1].samples[0].group_id == "g"
+
+
+@pytest.mark.parametrize("body, expected", [
+    (b"\x81\xc1", "bad frame (body (not one msgpack value), a key in $): Expected `str`, got a byte"),
+    (msgspec.msgpack.encode({1: 2}), "bad frame (body (a map without a 'type' tag), a key in $)"),
+    (msgspec.msgpack.encode({"type": ""}), "bad frame (type '', field $.type): Invalid value ''"),
+    (msgspec.msgpack.encode([1, 2]), "bad frame (body (a msgpack array, not a message map))"),
+    (msgspec.msgpack.encode({"type": "Ping", 3: 4}), "bad frame (Ping, a key in $)"),
+])
+def test_error_messages_read_as_sentences(body, expected):
+    header = msgspec.msgpack.encode(Header(1, "call", 7, "fuzzer", 0))
+    with pytest.raises(WireError) as err:
+        decode([header, body])
+    assert str(err.value).startswith(expected), str(err.value)
+    assert "` in `" not in str(err.value) and "<" not in str(err.value)
+
+
+def test_echoed_junk_is_clipped():
+    header = msgspec.msgpack.encode(Header(1, "call", 7, "s" * 5000, 0))
+    with pytest.raises(WireError) as err:
+        decode([header, msgspec.msgpack.encode({"type": "J" * 4000})])
+    assert err.value.msg_type == "J" * 100 + "..." and len(str(err.value)) < 300
+    with pytest.raises(VersionMismatch) as err:
+        decode([msgspec.msgpack.encode(Header(2, "call", 7, "s" * 5000, 0)), b"\x80"])
+    assert "s" * 100 + "..." in str(err.value) and len(str(err.value)) < 300
+
+
+def test_peek_header_reads_any_version_and_frame_count_and_refuses_unknown_kinds():
+    from miles.wire.codec import _default
+    raw = msgspec.msgpack.encode(Header(9, "call", 42, "new-node", 3))
+    assert _default.peek_header([raw]) == Header(9, "call", 42, "new-node", 0)
+    assert _default.peek_header([b"\xc1"]) is None
+    assert _default.peek_header([msgspec.msgpack.encode(Header(1, "tell", 0))]) is None  # no id
+    with pytest.raises(WireError, match="unknown kind 'gossip'"):
+        decode([msgspec.msgpack.encode(Header(1, "gossip", 1)), encode("call", Ping())[1]])
