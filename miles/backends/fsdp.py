@@ -29,7 +29,8 @@ Design decisions:
   without them; "recompute" runs a no-grad pass with the current weights; "auto" is "recompute"
   with several steps per batch and otherwise the training forward's own detached log-probs (ratio
   exactly 1: on-policy only; the recipe loader turns "auto" into "rollout" for stale loops).
-  With "rollout", TIS/MIS weights pi_old / pi_rollout are 1 by construction (a warning says so).
+  With "rollout", TIS/MIS weights pi_old / pi_rollout are 1 by construction (a warning says so),
+  and the train/rollout mismatch metrics compare the trained policy's log-probs with the rollout's.
 - A step whose gradient norm is not finite is skipped (no update, `skipped_steps` = 1) rather than
   poisoning the weights; the caller sees it in the metrics.
 - FSDP2 leaves the root unsharded after a forward without backward; everything that reads the
@@ -58,6 +59,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from miles.algo import LossConfig, compute_advantages, compute_policy_loss, loss_denominators
 from miles.algo.layout import cu_seqlens_from_lengths
 from miles.algo.losses import kl_penalty
+from miles.algo.metrics import mismatch_metrics
+from miles.algo.reduce import reduce_tokens, token_weights
 from miles.backends import attention
 from miles.backends.base import MAIN_PHASE, Metrics, RankInfo, TrainingBackend, TrainPhase
 from miles.backends.batch import CheckedBatch, find_batch_error, number_batch
@@ -226,7 +229,8 @@ class FSDPBackend(TrainingBackend):
                 # a dummy micro-batch is one sample with no trained token: any positive denominator
                 den = torch.tensor([denominators[i] for i in mb.sample_indices] or [1.0],
                                    dtype=torch.float64, device=self.device)
-                if cfg.old_logprobs == "rollout" and not mb.is_dummy:
+                rollout_is_old = cfg.old_logprobs == "rollout" and not mb.is_dummy
+                if rollout_is_old:
                     old_mb = mb.rollout_logprobs
                 else:
                     old_mb = old[k] if old is not None else None
@@ -236,6 +240,12 @@ class FSDPBackend(TrainingBackend):
                     old_logprobs=old_mb, ref_logprobs=ref[k] if ref is not None else None,
                     rollout_logprobs=mb.rollout_logprobs,
                     entropy=ent if loss_cfg.entropy_coef != 0 else ent.detach())
+                if rollout_is_old:
+                    # pi_old IS the rollout policy here, so the objective's pi_old-vs-rollout mismatch
+                    # reads 0; measure the policy being trained against it (engine vs trainer, staleness).
+                    weights = token_weights(mb.loss_mask, mb.response_cu_seqlens, den)
+                    for name, value in mismatch_metrics(logp, mb.rollout_logprobs).items():
+                        metrics[name] = reduce_tokens(value, weights)
                 (loss * world).backward()
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().double()

@@ -21,6 +21,8 @@ def test_rollout_logprobs_are_the_old_policy_and_are_required(backends):
                        LossConfig())
     metrics = rollout.train(samples)
     assert metrics["ppo_kl"] != 0 and metrics["pg_clipfrac"] > 0  # stale samples get clipped
+    # The mismatch metrics compare the trained policy with the rollout's (pi_old = rollout would read 0).
+    assert metrics["train_rollout_logprob_abs_diff"] > 0.5 and metrics["train_rollout_kl"] > 0
 
     auto = backends(TrainConfig(model_path=path, param_dtype="float32", lr=0.0, old_logprobs="auto"),
                     LossConfig())
