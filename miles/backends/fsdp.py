@@ -13,10 +13,6 @@ Design decisions:
   clip, AdamW.
 - The per-micro-batch loss is a partial sum of the step loss (see miles.algo.reduce); FSDP averages
   gradients over ranks, so each rank's loss is multiplied by the world size to make that a sum.
-- Old log-probs: with one optimizer step per batch the policy has not moved when the training
-  forward runs, so that forward's detached log-probs *are* the recomputed old log-probs and a second
-  forward would be wasted work ("auto"). Several steps per batch, or KL reward shaping, need a
-  separate pass before the first step.
 - Phases (base.py): `train(samples, phase)` reads every objective and schedule knob from the phase
   it is given, never from attributes a caller may change between calls. Each phase name has its own
   AdamW and step count; the main phase's ("rl", built at init) is the one checkpoints and `step`
@@ -27,8 +23,10 @@ Design decisions:
   tokens as pi_old in every loop mode (sync, one-step-off, fully async: the PPO ratio is then
   against the policy that actually sampled, so stale samples are clipped), refusing a sample
   without them; "recompute" runs a no-grad pass with the current weights; "auto" is "recompute"
-  with several steps per batch and otherwise the training forward's own detached log-probs (ratio
-  exactly 1: on-policy only; the recipe loader turns "auto" into "rollout" for stale loops).
+  with several steps per batch (or KL reward shaping) and otherwise the training forward's own
+  detached log-probs: the policy has not moved yet, so a second forward would be wasted work, but
+  the ratio is exactly 1, which is right on-policy only (the recipe loader turns "auto" into
+  "rollout" for stale loops).
   With "rollout", TIS/MIS weights pi_old / pi_rollout are 1 by construction (a warning says so),
   and the train/rollout mismatch metrics compare the trained policy's log-probs with the rollout's.
 - A step whose gradient norm is not finite is skipped (no update, `skipped_steps` = 1) rather than
