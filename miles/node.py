@@ -4,6 +4,8 @@ Design decisions:
 - Where am I: node rank, node count and head host come from Slurm (`SLURM_NODEID`,
   `SLURM_NNODES`, first host of `SLURM_JOB_NODELIST`), else torchrun-style variables (`NODE_RANK`,
   `NNODES`, `MASTER_ADDR`), else it is a one-node run. `MILES_HEAD_HOST` / `MILES_HOST` override.
+  Slurm host lists are expanded by `scontrol show hostnames` where it is installed, else by
+  `parse_nodelist` (every bracket group, zero padding kept).
 - The head node (rank 0) hosts the registry in the daemon's own event loop. Every actor runs in
   a child process of its node's daemon (`miles.actors.host`), so a crash, an OOM or a `kill -9`
   takes down one actor, never the daemon, and the actor can be restarted alone.
@@ -12,8 +14,8 @@ Design decisions:
   of the old one fail fast and `retries` reach the new one. A child that is alive but silent (no
   heartbeat for `cluster.liveness_timeout_s`) is killed and restarted the same way; the log line
   names it, its incarnation, the seconds since its last heartbeat and its log's last lines.
-- No crash loops: an incarnation that dies early (before it registered, or within
-  `CRASH_LOOP_WINDOW_S` of its start) with the same exit code and last error line as the
+- No crash loops: an incarnation that dies early (before it registered, or by an error exit
+  within `CRASH_LOOP_WINDOW_S` of its start) with the same exit code and last error line as the
   incarnation before it would fail the same way again, so it is not restarted. The first start
   gets one retry that way (a port taken a moment ago is not a code error); a bad import or an
   `on_start` that raises ends the run after two quick starts, within seconds.
@@ -27,7 +29,8 @@ Design decisions:
 - Children are `miles.supervise.SupervisedProcess`es: their own process group and
   PR_SET_PDEATHSIG(SIGKILL), so even a `kill -9` of the daemon takes them down; on SIGTERM/SIGINT
   the daemon sends SIGTERM to every child's group, waits `cluster.shutdown_grace_s`, then
-  SIGKILLs what is left.
+  SIGKILLs what is left, servers the actor started in sessions of their own included (those are
+  left to the actor to stop in order during the grace period).
 - Ctrl-C: children are in groups of their own, so a terminal's SIGINT reaches only the daemon;
   it stops the children (which exit quietly) and prints one line: where the run stopped (the
   newest complete checkpoint's `loop_state.json`) and that the same command resumes it.
@@ -343,7 +346,10 @@ class NodeDaemon(Actor):
         if code == 0:
             return
         cause = await self._death_cause(child, code)
-        early = not child.registered or time.monotonic() - child.started_at < CRASH_LOOP_WINDOW_S
+        # A signal after registration came from outside (an OOM killer, a chaos test, an
+        # operator): not the actor failing the same way on every start.
+        early = not child.registered or (
+            code > 0 and time.monotonic() - child.started_at < CRASH_LOOP_WINDOW_S)
         signature = (code, _normalized(_last_error_line(child.log_tail())))
         policy = child.spec.restart
         if early and child.early_failure == signature:
