@@ -68,6 +68,7 @@ import zmq
 from miles.actors.base import Actor, ActorError, Registry, Runtime, run_event_loop
 from miles.config import ActorSpec, Recipe, recipe_to_json
 from miles.supervise import LogFollower, SupervisedProcess, read_log_tail
+from miles.wire import auth
 from miles.wire.messages import ListActors, Ok, Shutdown
 
 CRASH_LOOP_WINDOW_S = 30.0  # a death this soon after start counts as a start failure
@@ -212,6 +213,7 @@ class NodeDaemon(Actor):
                    MILES_LOG_LEVEL=self.recipe.run.log_level.upper(), PYTHONUNBUFFERED="1")
         if "MASTER_PORT" in child.env:
             env["MASTER_ADDR"] = self._master_addr(int(child.env["MILES_MASTER_NODE"]))
+        auth.set_child_env(env, self.runtime.curve)  # the job's CurveZMQ keys, never argv
         return env
 
     def _master_addr(self, node_rank: int) -> str:
@@ -231,8 +233,11 @@ class NodeDaemon(Actor):
             loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(
                 self.shutdown(f"signal {signal.Signals(s).name}", 128 + s, by_signal=True)))
         cl = self.recipe.cluster
+        # cluster.auth = "curve": the keypair exported by the launcher (one for all nodes), else
+        # a fresh one for this job (miles.wire.auth).
         runtime = Runtime(registry=self.registry_endpoint, name=self.name,
-                          node_rank=self.node.node_rank)
+                          node_rank=self.node.node_rank,
+                          curve=auth.job_keys(getattr(cl, "auth", "none")))
         self.heartbeat_interval_s = cl.heartbeat_interval_s
         try:
             if self.node.node_rank == 0:
