@@ -1,6 +1,8 @@
 """CurveZMQ (`cluster.auth = "curve"`): one keypair per job handed over by the environment; a
 peer without the key gets no reply and the actor serves it nothing."""
 
+import asyncio
+
 import pytest
 import zmq
 import zmq.asyncio
@@ -75,3 +77,59 @@ async def test_curve_calls_work_with_the_key_and_get_nothing_without_it():
         await actor.close()
         await registry.close()
         rt.close()
+
+
+CURVE_JOB = '''
+[run]
+output_dir = "@OUT@"
+[cluster]
+head_port = @PORT@
+auth = "curve"
+[actors.driver]
+class = "supervision_actors:Waiter"
+main = true
+[actors.sink]
+class = "miles.demo:Sink"
+'''
+
+
+async def test_a_curve_job_hands_the_exported_key_to_children_by_environment(node_launcher):
+    import psutil
+
+    from miles.wire.messages import ListActors, Shutdown
+
+    keys = auth.job_keys("curve", env={})
+    (daemon,), port, logs = node_launcher(CURVE_JOB, extra_env=keys.env())
+    client = Runtime(registry=f"tcp://127.0.0.1:{port}", curve=keys)
+    stranger = Runtime(registry=f"tcp://127.0.0.1:{port}", curve=None)
+    try:
+        info = await client.lookup("sink", wait_s=60)
+        assert isinstance(await client.ref("sink").call(Ping(), timeout_s=10), Pong)
+        child = psutil.Process(info.pid)
+        assert child.environ()["MILES_CURVE_SECRET"] == keys.secret.decode()
+        assert not any(keys.secret.decode() in arg for arg in child.cmdline())
+        with pytest.raises(ActorDied, match="handshake"):
+            await stranger.registry.call(ListActors(), timeout_s=10)
+        await client.ref("node/0").call(Shutdown(reason="done"), timeout_s=10)
+        assert await asyncio.to_thread(daemon.wait, 30) == 0
+    finally:
+        stranger.close()
+        client.close()
+
+
+async def test_a_curve_job_without_an_exported_key_makes_one_for_its_children(node_launcher):
+    import time
+
+    from miles.wire.messages import ListActors
+
+    (daemon,), port, logs = node_launcher(CURVE_JOB)
+    deadline = time.monotonic() + 60
+    while "[driver] waiting" not in logs[0].read_text():  # registered, over CURVE, with the key
+        assert time.monotonic() < deadline and daemon.poll() is None, logs[0].read_text()
+        await asyncio.sleep(0.1)
+    stranger = Runtime(registry=f"tcp://127.0.0.1:{port}", curve=None)
+    try:
+        with pytest.raises(ActorDied, match="handshake"):
+            await stranger.registry.call(ListActors(), timeout_s=10)
+    finally:
+        stranger.close()
