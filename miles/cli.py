@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     for warning in warnings:
         print(f"miles: warning: {args.recipe}: {warning}", file=sys.stderr)
     if args.command == "check":
-        print(describe(recipe))
+        from miles.rl.sources import with_default_actors
+        print(describe(with_default_actors(recipe)))  # the placement `run` will start
         print("recipe OK")
         return 0
     from miles.node import run_node

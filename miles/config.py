@@ -330,6 +330,10 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
                         f"expected {loop.staleness} with loop.mode = {loop.mode!r} (the mode fixes the "
                         f"staleness); drop the key, or use loop.mode = 'fully_async'")
     ro, train = recipe.rollout, recipe.train
+    if ro.temperature == 0 and _given(tree, "rollout", "temperature"):
+        raise bad_value(source, "rollout.temperature", 0.0,
+                        "expected > 0: the trainer needs the log-probs of a sampling policy "
+                        "(greedy evaluation is eval.temperature = 0)")
     if ro.temperature != train.temperature:
         raise bad_value(source, "train.temperature", train.temperature,
                         f"expected rollout.temperature ({ro.temperature}): the trainer divides its "

@@ -70,6 +70,7 @@ def refusal(text: str, overrides=()) -> str:
     (QUICKSTART, ["loop.mode='one_step_off'"], "loop.max_staleness = 2: expected 1 with loop.mode = "
                                                "'one_step_off'"),
     (QUICKSTART, ["rollout.temperature=0.7"], "train.temperature = 1.0: expected rollout.temperature (0.7)"),
+    (QUICKSTART, ["rollout.temperature=0"], "rollout.temperature = 0.0: expected > 0"),
     (QUICKSTART, ["buffer.capacity_groups=4"], "buffer.capacity_groups = 4: expected >= loop.groups_per_step (8)"),
     (QUICKSTART, ["eval.mode='external'"], "eval.command = '': expected a command"),
     (QUICKSTART, ["data.task=''"], "data: set data.path"),
@@ -97,6 +98,9 @@ def test_every_shipped_and_test_recipe_still_passes():
     own = load_recipe(text='[actors.driver]\nclass = "miles.demo:DemoDriver"\nmain = true\n'
                            '[actors.sink]\nclass = "miles.demo:Sink"\n')
     assert check_recipe(own) == []
+    out = subprocess.run([*MILES, "check", str(ROOT / "recipes" / "quickstart.toml")], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "miles.loop:LoopDriver" in out.stdout  # the placement run starts
     # a value equal to the mode's own staleness is no contradiction; the default never is
     assert load_recipe(text=QUICKSTART, overrides=["loop.mode='sync'", "loop.max_staleness=0"]).loop.staleness == 0
     assert load_recipe(text='[loop]\nmode = "sync"').loop.staleness == 0
