@@ -13,8 +13,10 @@ Design decisions:
   relaunched on a fresh port. The restarted engine is listed in `EngineSet.pending_urls` (with
   `generation` bumped): it has the model's initial weights, so it takes no traffic until the
   driver has published the current version to it and says `EnginesUpdated`; only then is it
-  added to the gateway. Moving an engine from pending to serving does not bump `generation`:
-  the set of engines that hold the weights did not change, so there is nothing to publish.
+  added to the gateway. `generation` is bumped when an engine joins (becomes pending), because
+  that is what needs a publish; a death does not bump it: the trainer drops an engine that does
+  not answer, the next `GetEngines` leaves it out, and an empty set must not read as "publish".
+  Moving an engine from pending to serving does not bump it either (nothing to publish).
 - `engine.max_restarts` bounds crash loops, not a long run's total: a death within
   `engine.restart_window_s` of the engine becoming ready (or a failed relaunch) counts, a death
   after a longer life starts the count again. An engine over the budget stays out and the fleet
@@ -162,6 +164,8 @@ class EngineFleet(Actor):
         cfg = self.recipe.engine
         while True:
             await asyncio.sleep(cfg.health_interval_s)
+            if self._stopped.is_set():  # shutting down: what dies now is not to be restarted
+                return
             if not self.gateway.process.alive:
                 await self._restart_gateway()
             for slot in self.slots:
@@ -173,24 +177,23 @@ class EngineFleet(Actor):
                 return
 
     async def _engine_died(self, slot: _Slot) -> None:
-        engine = slot.engine
+        engine, was_serving = slot.engine, slot.pending_since < 0
         log.warning("engine %d (%s) died with code %s; last lines of its log:\n%s", slot.index,
                     engine.url, engine.process.returncode, engine.process.log_tail(10))
-        if slot.pending_since < 0 and self.gateway.process.alive:
+        slot.engine, slot.pending_since = None, -1
+        slot.quick_deaths = slot.quick_deaths + 1 if self._quick(slot.ready_at) else 1
+        slot.restarting = True
+        if was_serving and self.gateway.process.alive:
             try:
                 await self.gateway.remove_worker(engine.url, timeout_s=10.0)
             except Exception as e:  # noqa: BLE001 - the gateway's health check drops it anyway
                 log.warning("could not remove %s from the gateway: %s", engine.url, e)
-        slot.engine, slot.pending_since = None, -1
-        slot.quick_deaths = slot.quick_deaths + 1 if self._quick(slot.ready_at) else 1
-        self.generation += 1
-        slot.restarting = True
         self._spawn(self._relaunch(slot))
 
     async def _relaunch(self, slot: _Slot) -> None:
         cfg = self.recipe.engine
         try:
-            while slot.quick_deaths <= cfg.max_restarts:
+            while slot.quick_deaths <= cfg.max_restarts and not self._stopped.is_set():
                 self.restarts += 1
                 try:
                     fresh = await self._launch_engine(slot.index)
@@ -204,6 +207,8 @@ class EngineFleet(Actor):
                 slot.pending_since = self.generation
                 log.info("engine %d restarted at %s; waiting for the current weights (generation %d)",
                          slot.index, fresh.url, self.generation)
+                return
+            if self._stopped.is_set():
                 return
             slot.gave_up = True
             log.error("engine %d gave up: it died %d times, each within engine.restart_window_s = "
