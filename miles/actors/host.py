@@ -63,13 +63,15 @@ async def host(actor: Actor, runtime: Runtime, bind_host: str) -> int:
         nonlocal stopping
         stopping = True
         loop.set_exception_handler(_quiet)
+        starting.cancel()  # an on_start may wait minutes (for engines): stop means now
         actor.stop()
 
+    starting = asyncio.ensure_future(actor.start(runtime, host=bind_host))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     code, failure = 0, None
     try:
-        await actor.start(runtime, host=bind_host)
+        await starting
         if type(actor).run is not Actor.run:
             run_task = asyncio.create_task(actor.run())
             stop_task = asyncio.create_task(actor.serve_forever())
@@ -87,6 +89,10 @@ async def host(actor: Actor, runtime: Runtime, bind_host: str) -> int:
                 code = int(run_task.result() or 0)
         else:
             await actor.serve_forever()
+    except asyncio.CancelledError:
+        if not stopping:
+            raise
+        code = 143
     except Exception as e:  # caught here, so its traceback starts at the actor's own frames
         failure = e
     finally:

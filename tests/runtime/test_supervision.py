@@ -168,3 +168,24 @@ node = 1
     assert codes == [1, 1], head + other
     assert "[node/0] shutting down: actor sink failed: incarnation 1 exited with code 1" in head
     assert "RuntimeError: the reward module is missing" in head.split("actor sink failed", 1)[1]
+
+
+def test_sigterm_during_a_long_on_start_stops_the_actor_at_once_and_quietly(node_launcher):
+    recipe = HEAD.replace("shutdown_grace_s = 3", "shutdown_grace_s = 20") + '''
+[actors.driver]
+class = "supervision_actors:Waiter"
+main = true
+[actors.slow]
+class = "supervision_actors:SlowStart"
+'''
+    (proc,), _, (log,) = node_launcher(recipe)
+    deadline = time.monotonic() + 30
+    while "[slow] waiting in on_start" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    code, text = _finish(proc, log, 30)
+    assert code == 128 + signal.SIGTERM, text
+    assert time.monotonic() - started < 10, text  # not the 20 s grace, then a SIGKILL
+    assert "Traceback" not in text and "did not exit" not in text, text

@@ -50,3 +50,11 @@ class Freezes(Actor):
     def _freeze(self) -> None:
         print("about to block the event loop", flush=True)
         time.sleep(3600)
+
+
+class SlowStart(Actor):
+    """An on_start that waits long (as one waiting for engines does)."""
+
+    async def on_start(self) -> None:
+        print("waiting in on_start", flush=True)
+        await asyncio.sleep(3600)
