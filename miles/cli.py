@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from miles.config import RecipeError, load_recipe
-from miles.recipe_checks import check_recipe
+from miles.recipe_checks import check_placement, check_recipe
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         warnings = check_recipe(recipe, args.recipe)
+        if args.command == "run":
+            from miles.node import detect_node_env
+            check_placement(recipe, detect_node_env().nnodes, args.recipe)
     except RecipeError as e:
         print(f"miles: {e}", file=sys.stderr)
         return 2

@@ -59,6 +59,17 @@ def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     return loop_warnings(recipe)
 
 
+def check_placement(recipe: Recipe, nnodes: int, source: str = "<recipe>") -> None:
+    """Every actor is placed on a node this job has (`miles run` knows the job's node count)."""
+    for role, spec in sorted(recipe.actors.items()):
+        for node in spec.nodes if spec.nodes is not None else [spec.node]:
+            if node >= nnodes:
+                key = f"actors.{role}.{'nodes' if spec.nodes is not None else 'node'}"
+                raise bad_value(source, key, spec.nodes if spec.nodes is not None else spec.node,
+                                f"expected nodes < {nnodes}: this job has {nnodes} node(s) "
+                                f"(NNODES / SLURM_NNODES)")
+
+
 def loop_warnings(recipe: Recipe) -> list[str]:
     """Combinations that run, but train stale samples uncorrected or record nothing."""
     out = []

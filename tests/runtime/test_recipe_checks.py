@@ -4,6 +4,7 @@ Each case is one class of broken recipe that `miles check` once called "recipe O
 the quickstart recipe with one thing wrong.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import RecipeError, load_recipe
-from miles.recipe_checks import check_recipe
+from miles.recipe_checks import check_placement, check_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = (ROOT / "recipes" / "quickstart.toml").read_text()
@@ -150,3 +151,16 @@ def test_run_refuses_a_broken_recipe_before_starting_anything(tmp_path):
     assert "Traceback" not in out.stderr and out.stdout == ""
     assert elapsed < 15, elapsed
     assert not run_dir.exists()  # no node daemon, no actor, no log directory
+
+
+def test_run_refuses_an_actor_placed_on_a_node_the_job_lacks(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MILES_")) and k not in ("NODE_RANK", "NNODES")}
+    run_dir = tmp_path / "run"
+    args = [*MILES, "run", str(ROOT / "recipes" / "demo.toml"), "--set", f"run.output_dir='{run_dir}'",
+            "--set", "actors.sink.node=1"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 2 and "actors.sink.node = 1: expected nodes < 1" in out.stderr, out.stderr
+    assert not run_dir.exists()
+    # two nodes: node 1 exists, and check_recipe alone (miles check) never knew the node count
+    check_placement(load_recipe(ROOT / "recipes" / "demo.toml", ["actors.sink.node=1"]), nnodes=2)
