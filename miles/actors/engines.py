@@ -85,7 +85,10 @@ class EngineFleet(Actor):
         if self._fatal not in done:
             return 0
         stopped.cancel()
-        log.error("%s: %s", self.name, self._fatal.result())
+        error = self._fatal.result()
+        log.error("%s: %s", self.name, error)
+        # The host's one-line form, which the node daemon quotes as the cause when it gives up.
+        print(f"error: {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
         await asyncio.sleep(0.5)  # the error replies to GetEngines waiters go out first
         return 1
 
