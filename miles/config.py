@@ -328,7 +328,8 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
             and loop.max_staleness != loop.staleness:
         raise bad_value(source, "loop.max_staleness", loop.max_staleness,
                         f"expected {loop.staleness} with loop.mode = {loop.mode!r} (the mode fixes the "
-                        f"staleness); drop the key, or use loop.mode = 'fully_async'")
+                        f"staleness): remove the key, --set loop.max_staleness={loop.staleness}, or "
+                        f"use loop.mode = 'fully_async'")
     ro, train = recipe.rollout, recipe.train
     if ro.temperature == 0 and _given(tree, "rollout", "temperature"):
         raise bad_value(source, "rollout.temperature", 0.0,
