@@ -164,3 +164,21 @@ def test_run_refuses_an_actor_placed_on_a_node_the_job_lacks(tmp_path):
     assert not run_dir.exists()
     # two nodes: node 1 exists, and check_recipe alone (miles check) never knew the node count
     check_placement(load_recipe(ROOT / "recipes" / "demo.toml", ["actors.sink.node=1"]), nnodes=2)
+
+
+def test_user_plugins_pass_or_fail_by_their_contract(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "rl" / "plugins"))
+    good = ["rollout.reward='user_plugins:length_reward'", "data.source='user_plugins:make_source'",
+            "buffer.policy='user_plugins:DropOdd'", "buffer.filter='user_plugins:group_reward'"]
+    assert check_recipe(load_recipe(text=QUICKSTART, overrides=good)) == []
+    (tmp_path / "bad_plugins.py").write_text(
+        "def two_args(sample, extra):\n    return 0.0\n"
+        "class NotAWorker:\n    pass\n")
+    (tmp_path / "broken_plugins.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "rollout.reward = 'bad_plugins:two_args': wrong signature (sample, extra)" in \
+        refusal(QUICKSTART, ["rollout.reward='bad_plugins:two_args'"])
+    assert "rollout.worker = 'bad_plugins:NotAWorker': not a subclass of" in \
+        refusal(QUICKSTART, ["rollout.worker='bad_plugins:NotAWorker'"])
+    assert "buffer.filter = 'broken_plugins:keep': importing module 'broken_plugins' raised " \
+           "RuntimeError: no GPU here" in refusal(QUICKSTART, ["buffer.filter='broken_plugins:keep'"])
