@@ -290,9 +290,12 @@ class LogFollower:
         except FileNotFoundError:
             return 0
         total = 0
+        # A child logging faster than the console takes it must not hold the caller's event
+        # loop: one call reads a bounded amount, except the final one.
+        budget = float("inf") if flush_partial else 8 * self.chunk_bytes
         with f:
             f.seek(self.offset)
-            while chunk := f.read(self.chunk_bytes):
+            while total < budget and (chunk := f.read(self.chunk_bytes)):
                 total += len(chunk)
                 self.offset += len(chunk)
                 self._lines(self.partial + chunk)
