@@ -12,8 +12,8 @@ Design decisions:
   removed from the gateway at once (its requests fail fast, new ones go to the others) and
   relaunched on a fresh port. The restarted engine is listed in `EngineSet.pending_urls` (with
   `generation` bumped): it has the model's initial weights, so it takes no traffic until the
-  driver has published the current version to it and says `EnginesUpdated`; only then is it
-  added to the gateway. `generation` is bumped when an engine joins (becomes pending), because
+  driver has published the current version to it and says `EnginesUpdated`; only then, and
+  only if it reports that version (else it is restarted), is it added to the gateway. `generation` is bumped when an engine joins (becomes pending), because
   that is what needs a publish; a death does not bump it: the trainer drops an engine that does
   not answer, the next `GetEngines` leaves it out, and an empty set must not read as "publish".
   Moving an engine from pending to serving does not bump it either (nothing to publish).
@@ -267,6 +267,14 @@ class EngineFleet(Actor):
         for slot in self.slots:
             if slot.engine is None or not (0 <= slot.pending_since <= msg.generation):
                 continue
+            served = await self._served_version(slot.engine.url)
+            if served != msg.version:
+                # It missed the publish (the trainer dropped it as unreachable, or it refused):
+                # restart it, so the crash-loop rule bounds an engine that never takes weights.
+                log.warning("engine %d (%s) serves version %s, not %d, after the publish: "
+                            "restarting it", slot.index, slot.engine.url, served, msg.version)
+                await slot.engine.stop_async(grace_s=2.0)
+                continue
             slot.pending_since = -1
             if self.gateway.process.alive:  # else the gateway's restart takes the serving set
                 try:
@@ -275,6 +283,16 @@ class EngineFleet(Actor):
                     log.warning("could not add %s to the gateway: %s", slot.engine.url, e)
             added.append(slot.engine.url)
         return Ok(detail=f"version {self.version}; serving now: {added}")
+
+    async def _served_version(self, url: str) -> int | str:
+        from miles.engines.client import EngineClient, parse_weight_version
+
+        try:
+            async with EngineClient(url, timeout_s=10.0, max_retries=0) as client:
+                version = str((await client.model_info()).get("weight_version", ""))
+            return parse_weight_version(version)
+        except Exception as e:  # noqa: BLE001 - any doubt: it does not take traffic
+            return f"unknown ({type(e).__name__}: {e})"
 
     def metrics(self) -> dict[str, float]:
         out = super().metrics()

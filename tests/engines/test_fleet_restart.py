@@ -14,6 +14,7 @@ import pytest
 from miles.actors.base import Runtime
 from miles.actors.engines import EngineFleet
 from miles.config import Recipe, RunConfig
+from miles.engines.client import EngineClient
 from miles.rl.config import EngineConfig, ModelConfig
 from miles.wire.messages import EnginesUpdated, GetEngines
 
@@ -69,6 +70,10 @@ async def test_killed_engine_waits_in_pending_until_the_driver_published(tmp_pat
         assert after.engine_urls == before.engine_urls[1:]
         assert await _routed(fleet) == {before.engine_urls[1]}, "a pending engine takes no traffic"
 
+        # The driver's publish sets the version on every engine of the set (as the transports do).
+        for url in [*after.engine_urls, fresh]:
+            async with EngineClient(url, timeout_s=10) as client:
+                await client.update_weight_version("7")
         await ref.call(EnginesUpdated(generation=after.generation, version=7), timeout_s=60)
         now = await ref.call(GetEngines(), timeout_s=10)
         assert now.pending_urls == [] and set(now.engine_urls) == {fresh, before.engine_urls[1]}
@@ -156,5 +161,30 @@ async def test_gateway_that_cannot_rebind_its_port_ends_the_fleet_loudly(tmp_pat
         assert "Address already in use" in message  # smg's own words, from its log
     finally:
         squatter.close()
+        await fleet.close()
+        runtime.close()
+
+
+@pytest.mark.slow  # three engine starts
+async def test_pending_engine_that_missed_the_publish_is_restarted_not_routed(tmp_path, tiny_qwen3):
+    fleet, runtime, ref = await _fleet(tmp_path, tiny_qwen3)
+    try:
+        await ref.call(GetEngines(), timeout_s=120)
+        fleet.slots[0].engine.process.kill()
+
+        async def pending():
+            s = await ref.call(GetEngines(), timeout_s=10)
+            return s if s.pending_urls else None
+        first = await _until("a pending engine", pending)
+        # The driver says version 5 went out, but this engine still serves its initial weights.
+        await ref.call(EnginesUpdated(generation=first.generation, version=5), timeout_s=60)
+        assert await _routed(fleet) == set(), "an engine without the weights takes no traffic"
+
+        async def relaunched():
+            s = await ref.call(GetEngines(), timeout_s=10)
+            return s if s.pending_urls and s.pending_urls != first.pending_urls else None
+        second = await _until("the engine restarted for another publish", relaunched)
+        assert second.generation > first.generation and second.engine_urls == []
+    finally:
         await fleet.close()
         runtime.close()
