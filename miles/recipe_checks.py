@@ -49,7 +49,7 @@ def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     if recipe.data.source:
         _callable(source, "data.source", recipe.data.source, "the recipe")
     _check_model(recipe, source)
-    _check_paths(recipe, source)
+    _check_choices_and_paths(recipe, source)
 
     placed = with_default_actors(recipe).actors
     if placed and not any(issubclass(pkgutil.resolve_name(spec.cls), LoopDriver)
@@ -143,7 +143,12 @@ def _check_model(recipe: Recipe, source: str) -> None:
             raise bad_value(source, key, path, f"expected an HF model directory; it {what}")
 
 
-def _check_paths(recipe: Recipe, source: str) -> None:
+def _check_choices_and_paths(recipe: Recipe, source: str) -> None:
+    if recipe.engine.gateway_policy != "manual":  # the default; importing the gateway costs aiohttp
+        from miles.engines.gateway import POLICIES
+        if recipe.engine.gateway_policy not in POLICIES:
+            raise bad_value(source, "engine.gateway_policy", recipe.engine.gateway_policy,
+                            f"expected one of {', '.join(POLICIES)}")
     data = recipe.data
     if data.task:
         from miles.rl.tasks import TASKS

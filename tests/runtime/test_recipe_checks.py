@@ -80,6 +80,7 @@ def refusal(text: str, overrides=()) -> str:
     (QUICKSTART, ["data.task=''", f"data.path='{ROOT / 'README.md'}'", "eval.mode='fleet'"],
      "data.eval_path = '': expected a file for eval.mode = 'fleet'"),
     (QUICKSTART, ["data.task='sorting'"], "data.task = 'sorting': expected one of addition, sort_digits"),
+    (QUICKSTART, ["engine.gateway_policy='fastest'"], "engine.gateway_policy = 'fastest': expected one of manual"),
     # a section's own check reads like the rest
     (QUICKSTART, ["train.lr=-1.0"], "train.lr = -1.0: expected >= 0.0"),
     (QUICKSTART, ["weights.bucket_bytes=0"], "weights.bucket_bytes = 0: expected an integer >= 1"),
