@@ -10,13 +10,14 @@ Design decisions:
   the host process exits non-zero and the node daemon ends the job. Nobody waits out a timeout.
 - Engines and the gateway are health-checked every `engine.health_interval_s`. A dead engine is
   removed from the gateway at once (its requests fail fast, new ones go to the others) and
-  relaunched on a fresh port. The restarted engine is listed in `EngineSet.pending_urls` (with
-  `generation` bumped): it has the model's initial weights, so it takes no traffic until the
-  driver has published the current version to it and says `EnginesUpdated`; only then, and
-  only if it reports that version (else it is restarted), is it added to the gateway. `generation` is bumped when an engine joins (becomes pending), because
-  that is what needs a publish; a death does not bump it: the trainer drops an engine that does
-  not answer, the next `GetEngines` leaves it out, and an empty set must not read as "publish".
-  Moving an engine from pending to serving does not bump it either (nothing to publish).
+  relaunched on a fresh port. The restarted engine is listed in `EngineSet.pending_urls`: it has
+  the model's initial weights, so it takes no traffic until the driver has published the current
+  version to it and says `EnginesUpdated`; only then, and only if it reports that version (else
+  it is restarted), is it added to the gateway.
+- `generation` is bumped when an engine joins (becomes pending), because that is what needs a
+  publish. A death does not bump it: the trainer drops an engine that does not answer, the next
+  `GetEngines` leaves it out, and an empty set must not read as "publish now". Moving an engine
+  from pending to serving does not bump it either (nothing to publish).
 - `engine.max_restarts` bounds crash loops, not a long run's total: a death within
   `engine.restart_window_s` of the engine becoming ready (or a failed relaunch) counts, a death
   after a longer life starts the count again. An engine over the budget stays out and the fleet
