@@ -121,8 +121,8 @@ class Trainer(Actor):
                             f"; dropped dead engines {dropped}" if dropped else ""))
                 if verdict[0] == "fail":
                     raise RuntimeError(verdict[1])
-                log.warning("publish of version %d: engines %s did not answer; publishing to the "
-                            "survivors %s", version, verdict[2], verdict[1])
+                log.warning("publish of version %d failed (%s); engines %s do not answer: publishing "
+                            "to the survivors %s", version, error, verdict[2], verdict[1])
                 targets = verdict[1]
 
     async def _settle(self, error: Exception | None, targets: list[str] | None) -> tuple:
