@@ -134,6 +134,9 @@ class ActorInfo(Message):
     pid: int = 0
     node_rank: int = 0
     last_seen_s: float = 0.0    # seconds since the last heartbeat
+    # The connection it registered and heart-beats on is gone (it exited or died): lookups treat
+    # it as gone at once, while `alive` (heartbeats) lags by up to the liveness timeout.
+    disconnected: bool = False
 
 
 class ListActors(Message):
