@@ -200,7 +200,9 @@ def _cpu_util(cpu_at_step: dict, first: int, last: int) -> float | None:
 def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
     sets = {
         "run.output_dir": json.dumps(str(out)), "run.name": json.dumps(f"async_rl_{mode}"),
-        "loop.mode": json.dumps(mode), "loop.num_steps": args.steps, "loop.max_staleness": max_staleness,
+        "loop.mode": json.dumps(mode), "loop.num_steps": args.steps,
+        # sync means staleness 0; the recipe refuses a contradicting explicit value
+        "loop.max_staleness": 0 if mode == "sync" else max_staleness,
         "loop.groups_per_step": args.groups, "loop.eval_every": 0, "loop.save_every": 0, "loop.resume": "false",
         "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": args.median_tokens * 10,
         "rollout.max_inflight_samples": 256, "buffer.filter": json.dumps("none"), "sft.steps": args.sft_steps,
@@ -281,7 +283,8 @@ def reward_curves(args, machine: str) -> list[dict]:
             for mode in curves:
                 out = Path(tmp) / f"curve_{mode}_seed{seed}"
                 sets = {"run.output_dir": json.dumps(str(out)), "run.seed": seed, "loop.mode": json.dumps(mode),
-                        "loop.num_steps": args.curve_steps, "loop.max_staleness": bound, "loop.resume": "false",
+                        "loop.num_steps": args.curve_steps,
+                        "loop.max_staleness": 0 if mode == "sync" else bound, "loop.resume": "false",
                         "loop.save_every": 0, "cluster.head_port": _port(), "logging.progress": "false",
                         "logging.plot": "false", "weights.check_weights": "false"}
                 sets.update(item.partition("=")[::2] for item in args.set)  # --set: last, as above
