@@ -89,7 +89,7 @@ class RolloutWorker(Actor):
         self._tasks_groups: set[asyncio.Task] = set()
         self._group_prompts: dict[asyncio.Task, int] = {}  # running group -> its prompt index
         self.replay_queue: list[int] = []  # prompts untrained at the checkpoint we resumed from
-        self._pending: tuple[Prompt, dict | None, list[int]] | None = None  # read, not yet admitted
+        self._pending: tuple[Prompt, dict | None, list[int], str] | None = None  # read, not admitted
         self._reserves = 0
         self._loop_task: asyncio.Task | None = None
         self.inflight = 0
@@ -203,35 +203,53 @@ class RolloutWorker(Actor):
 
     # ----- the admission loop ------------------------------------------------------------------
 
-    def _next_prompt(self) -> tuple[Prompt, dict | None, list[int]]:
-        """The next prompt, the source's state after it, and the replay list left after it."""
+    def _next_prompt(self) -> tuple[Prompt, dict | None, list[int], str]:
+        """The next prompt, the source's state after it, the replay list left after it, and the
+        id of its Reserve."""
         if self.replay_queue:
             prompt = self.source.at(self.replay_queue.pop(0))
         else:
             prompt = next(self.source)
-        return prompt, self.source.state(), list(self.replay_queue)
+        return prompt, self.source.state(), list(self.replay_queue), self._request_id()
+
+    def _request_id(self) -> str:
+        self._reserves += 1
+        return f"{self.incarnation}-{self._reserves}"
 
     async def _admit_loop(self) -> None:
         while self._running:
-            await self._admission_open.wait()
-            await self._wait_engines_up()
-            if self._pending is None:
-                self._pending = self._next_prompt()
-            prompt, data_state, replay = self._pending
-            self._reserves += 1
-            reservation = await self.buffer.call(
-                Reserve(prompt_index=prompt.index, data_state=data_state, replay=replay,
-                        request_id=f"{self.incarnation}-{self._reserves}", owner=self.incarnation),
-                timeout_s=10**9, retries=BUFFER_RETRIES)
-            if reservation.retry_prompt >= 0 and reservation.retry_prompt != prompt.index:
-                # The slot went to a prompt rejected as stale; ours waits for the next slot.
-                if not hasattr(self.source, "at"):
-                    self._spawn(self._release(reservation.slot, "stale prompt cannot be regenerated"))
-                    continue
-                prompt = self.source.at(reservation.retry_prompt)
-            else:
-                self._pending = None
-            self._start_group(prompt, reservation.slot, 0)
+            try:
+                await self._admit_one()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the loop must outlive one bad call (the pending prompt stays)
+                print(f"ERROR [rollout] admission: {type(e).__name__}: {e}; trying again in 1 s",
+                      flush=True)
+                await asyncio.sleep(1.0)
+
+    async def _admit_one(self) -> None:
+        """Read the next prompt (kept until a slot takes it), reserve a slot, start its group."""
+        await self._admission_open.wait()
+        await self._wait_engines_up()
+        if self._pending is None:
+            self._pending = self._next_prompt()
+        prompt, data_state, replay, request_id = self._pending
+        # The request id stays with the prompt until a slot takes it: a Reserve re-sent after an
+        # error can then never give one prompt two slots.
+        reservation = await self.buffer.call(
+            Reserve(prompt_index=prompt.index, data_state=data_state, replay=replay,
+                    request_id=request_id, owner=self.incarnation),
+            timeout_s=10**9, retries=BUFFER_RETRIES)
+        if reservation.retry_prompt >= 0 and reservation.retry_prompt != prompt.index:
+            # The slot went to a prompt rejected as stale; ours waits for the next slot.
+            self._pending = (prompt, data_state, replay, self._request_id())
+            if not hasattr(self.source, "at"):
+                self._spawn(self._release(reservation.slot, "stale prompt cannot be regenerated"))
+                return
+            prompt = self.source.at(reservation.retry_prompt)
+        else:
+            self._pending = None
+        self._start_group(prompt, reservation.slot, 0)
 
     def _start_group(self, prompt: Prompt, slot: int, attempt: int) -> None:
         self.counts["groups_started"] += 1
