@@ -32,11 +32,13 @@ Design decisions:
 - The registry is itself an actor (on the head node). Every actor registers its endpoint with an
   incarnation number and sends heartbeats; `Lookup(wait_s=...)` is the wait-for primitive.
 - Event-loop lag is sampled continuously (how late a 50 ms timer fires) and exported in
-  `Metrics` with call counts and refused-frame counts. A watchdog thread logs a warning when the
-  loop has not ticked for `lag_warn_s`, while it is still stuck: the actor's name, the handlers in
-  flight (message type, seconds running) and where the loop thread is. The registry warns when
-  an actor's heartbeats stop (name, incarnation, seconds since the last one) and marks an actor not
-  alive as soon as the connection it registered and heart-beats on is gone.
+  `Metrics` with call counts and refused-frame counts. Once the actor has started (set-up in
+  `on_start` may block), a watchdog thread logs a warning when the loop has not ticked for
+  `lag_warn_s`, while it is still stuck: the actor's name, the handlers in flight (message type,
+  seconds running) and where the loop thread is. The registry warns when an actor's heartbeats
+  stop (name, incarnation, seconds since the last one), and reports an actor `disconnected` (so
+  lookups skip it) as soon as the connection it registered and heart-beats on is gone; `alive`
+  stays the heartbeat verdict, which is what the node daemon's liveness watcher acts on.
 - With CurveZMQ keys in the environment (`miles.wire.auth`) the runtime runs a ZAP handler and
   every inbox and connection is authenticated and encrypted.
 """
@@ -141,7 +143,7 @@ class Runtime:
             left = max(0.0, deadline - time.monotonic())
             info = await self.registry.call(Lookup(name=name, wait_s=left), timeout_s=left + 10.0)
             assert isinstance(info, ActorInfo)
-            if info.alive and info.incarnation >= min_incarnation:
+            if info.alive and not info.disconnected and info.incarnation >= min_incarnation:
                 return info
             if left <= 0:
                 raise ActorError(f"actor {name!r} is not registered and alive (waited {wait_s:.1f}s)")
@@ -186,7 +188,8 @@ class ActorRef:
         self._conn = None
         info = await self.runtime.registry.call(Lookup(name=self.name),
                                                 timeout_s=max(0.1, min(timeout_s, 10.0)))
-        if not (isinstance(info, ActorInfo) and info.alive and info.endpoint == self._endpoint
+        if not (isinstance(info, ActorInfo) and info.alive and not info.disconnected
+                and info.endpoint == self._endpoint
                 and info.incarnation == self._incarnation):
             self._endpoint = None
             raise conn.lost
@@ -418,14 +421,16 @@ class Actor:
         self._loop_tick = time.monotonic()
         self._spawn(self._measure_lag())
         self._spawn(self._watch_peers())
-        threading.Thread(target=self._watchdog, args=(threading.get_ident(),), daemon=True,
-                         name=f"watchdog:{self.name}").start()
         await self.on_start()
         if register and runtime.registry_endpoint:
             await runtime.registry.call(Register(name=self.name, endpoint=self.server.endpoint,
                                                  pid=os.getpid(), node_rank=runtime.node_rank,
                                                  incarnation=self.incarnation), timeout_s=30.0)
             self._spawn(self._heartbeat())
+        # Armed only now: imports and set-up in on_start block the loop by design.
+        self._loop_tick = time.monotonic()
+        threading.Thread(target=self._watchdog, args=(threading.get_ident(),), daemon=True,
+                         name=f"watchdog:{self.name}").start()
         return self.server.endpoint
 
     async def serve_forever(self) -> None:
@@ -465,6 +470,7 @@ class Actor:
         """Override to add figures; call super().metrics()."""
         return {**{k: float(v) for k, v in self.counters.items()},
                 "bad_frames": float(self.server.bad_frames),
+                "refused_handshakes": float(self.server.refused_handshakes),
                 "loop_lag_ms": self.loop_lag_ms, "loop_lag_max_ms": self.loop_lag_max_ms,
                 "incarnation": float(self.incarnation)}
 
@@ -694,8 +700,8 @@ class Registry(Actor):
         if entry is None:
             return ActorInfo(name=name)
         age = time.monotonic() - self.last_seen.get(name, 0.0)
-        entry.alive = (entry.endpoint != "" and age < self.liveness_timeout_s
-                       and self._disconnected.get(name) != entry.incarnation)
+        entry.alive = entry.endpoint != "" and age < self.liveness_timeout_s
+        entry.disconnected = self._disconnected.get(name) == entry.incarnation
         entry.last_seen_s = age
         return entry
 
@@ -721,8 +727,9 @@ class Registry(Actor):
             entry = self.entries.get(name)
             if entry is not None and entry.incarnation == incarnation and entry.endpoint:
                 self._disconnected[name] = incarnation
-                log.warning("registry: %s (incarnation %d) disconnected; it is not alive",
-                            name, incarnation)
+                # info, not a warning: every actor disconnects when it exits normally
+                log.info("registry: %s (incarnation %d) disconnected; lookups skip it",
+                         name, incarnation)
 
     async def _watch_heartbeats(self) -> None:
         while True:
@@ -743,7 +750,9 @@ class Registry(Actor):
 
     async def on_register(self, msg: Register) -> Ok:
         prior = self.entries.get(msg.name)
-        if prior is not None and prior.incarnation > msg.incarnation and self._info(msg.name).alive:
+        live = self._info(msg.name)
+        if (prior is not None and prior.incarnation > msg.incarnation and live.alive
+                and not live.disconnected):
             raise ActorError(f"register {msg.name!r}: incarnation {msg.incarnation} is older than "
                              f"the live one ({prior.incarnation})")
         self.entries[msg.name] = ActorInfo(name=msg.name, endpoint=msg.endpoint, alive=True,
@@ -776,7 +785,7 @@ class Registry(Actor):
             while True:
                 info = self._info(msg.name)
                 left = deadline - time.monotonic()
-                if info.alive or left <= 0:
+                if (info.alive and not info.disconnected) or left <= 0:
                     return info
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)

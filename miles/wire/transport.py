@@ -165,7 +165,7 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone caller raises: see peer_alive
         if curve is not None:
             auth.make_server(self.sock, curve)
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -173,6 +173,7 @@ class Server:
         self.endpoint = f"tcp://{host}:{port}"
         self.bad_frames = 0
         self.last_bad_frame = ""
+        self.refused_handshakes = 0  # peers without the job's CurveZMQ key, or with another
         self._pump: _Pump | None = None
         self._monitor_pump: _Pump | None = None
         self._probe = codec.encode("probe", Ok(), 0, name)
@@ -206,7 +207,9 @@ class Server:
                           header.id)
 
     def _on_monitor(self, frames: list) -> None:
-        if self.on_disconnect is not None:
+        if parse_monitor_message([f.bytes for f in frames])["event"] & _HANDSHAKE_FAILED:
+            self.refused_handshakes += 1
+        elif self.on_disconnect is not None:
             self.on_disconnect()
 
     def send_now(self, ident: bytes, kind: str, msg: Message, id: int = 0) -> bool:
@@ -340,9 +343,9 @@ class Connection:
             self._fail(ConnectionLost(f"connection to {self.endpoint} lost"))
         elif event["event"] & _HANDSHAKE_FAILED and self.lost is None:
             self._fail(ConnectionLost(
-                f"the handshake with {self.endpoint} failed: both ends must hold the job's CurveZMQ "
-                f"keys (cluster.auth = 'curve', {auth.CURVE_PUBLIC_ENV} / {auth.CURVE_SECRET_ENV}) "
-                "or neither"))
+                f"the handshake with {self.endpoint} failed; with cluster.auth = 'curve' both ends "
+                f"must hold the job's CurveZMQ keys ({auth.CURVE_PUBLIC_ENV} / "
+                f"{auth.CURVE_SECRET_ENV}), without it neither"))
         elif (event["event"] == zmq.EVENT_CONNECT_RETRIED and not self._connected
               and self.fail_if_refused and self.lost is None):
             self._fail(ConnectionLost(f"connection to {self.endpoint} refused: nothing listens "

@@ -10,7 +10,7 @@ import zmq.asyncio
 from miles.actors.base import Actor, ActorDied, Registry, Runtime
 from miles.wire import auth
 from miles.wire.codec import encode
-from miles.wire.messages import Ping, Pong
+from miles.wire.messages import GetMetrics, Ping, Pong
 
 
 def test_job_keys_come_from_the_environment_or_are_made_fresh():
@@ -65,9 +65,11 @@ async def test_curve_calls_work_with_the_key_and_get_nothing_without_it():
         impostor.curve_publickey, impostor.curve_secretkey = pub, sec
         impostor.curve_serverkey = keys.public
         assert await _no_reply(impostor, actor.server.endpoint)
-        with pytest.raises(ActorDied, match="handshake .* failed: both ends must hold"):
+        with pytest.raises(ActorDied, match="handshake .* failed; with cluster.auth = 'curve' both ends"):
             await stranger.ref_at(actor.server.endpoint).call(Ping(), timeout_s=10)
         assert actor.counters["calls"] == served and actor.server.bad_frames == 0
+        metrics = (await client.ref("guarded").call(GetMetrics())).values
+        assert metrics["refused_handshakes"] >= 3
         assert isinstance(await client.ref("guarded").call(Ping()), Pong)
         plain.close(0)
         impostor.close(0)
