@@ -136,15 +136,14 @@ def test_sync_mode_survives_retried_groups(tmp_path):
     assert max(r.get("buffer/retried", 0) for r in records(out, "actors")) > 0
 
 
-def _actor_pid(head_port: int, name: str) -> int | None:
-    for proc in Path("/proc").iterdir():
+def _actor_pid(root_pid: int, name: str) -> int | None:
+    import psutil
+    for p in psutil.Process(root_pid).children(recursive=True):
         try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
+            if "miles.actors.host" in p.cmdline() and p.environ().get("MILES_ACTOR_NAME") == name:
+                return p.pid
+        except psutil.Error:
             continue
-        if f"MILES_ACTOR_NAME={name}".encode() in env and any(
-                e.startswith(b"MILES_REGISTRY=") and e.endswith(f":{head_port}".encode()) for e in env):
-            return int(proc.name)
     return None
 
 
@@ -156,7 +155,7 @@ def test_a_killed_buffer_and_rollout_come_back_and_the_run_completes(tmp_path):
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",
             "--set", f"cluster.head_port={port}", *_sets([
                 "loop.num_steps=8", "loop.groups_per_step=4", 'eval.mode="off"', "sft.steps=5",
-                "loop.save_every=0", "loop.timeout_s=120"])]
+                "loop.save_every=0", "loop.timeout_s=120", 'buffer.filter="none"'])]
     proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -167,8 +166,10 @@ def test_a_killed_buffer_and_rollout_come_back_and_the_run_completes(tmp_path):
                         r["step"] >= at_step for r in records(out, "train")):
                     break
                 time.sleep(0.2)
-            pid = _actor_pid(port, name)
-            assert pid is not None, f"no {name} process found"
+            pid = _actor_pid(proc.pid, name) if proc.poll() is None else None
+            if pid is None:
+                proc.kill()
+                raise AssertionError(f"no {name} process found: {proc.communicate()[0].decode()[-3000:]}")
             os.kill(pid, signal.SIGKILL)
         log = proc.communicate(timeout=300)[0].decode(errors="replace")
     finally:
