@@ -242,3 +242,14 @@ async def test_sync_mode_retry_keeps_its_slot_and_needs_no_new_one(buf):
     assert await reserve_nowait(ref) is None              # no new slot: only the retry can finish
     await ref.call(PutGroup(group=group("b2"), slot=s1))
     assert [g.group_id for g in (await ref.call(GetBatch(n_groups=2))).groups] == ["a", "b2"]
+
+
+async def test_dynamic_sampling_reads_dict_rewards_by_train_reward_key(buf):
+    b, ref = buf
+    b.configure(groups_per_step=1, max_staleness=3, filter_spec="nonzero_std", reward_key="acc")
+    flat_acc = group("g", rewards=({"len": 1.0, "acc": 1.0}, {"len": 5.0, "acc": 1.0}))
+    s = (await ref.call(Reserve())).slot       # the first value differs, the trained one does not
+    assert (await ref.call(PutGroup(group=flat_acc, slot=s))).decision == "drop"
+    s = (await ref.call(Reserve())).slot
+    spread = group("h", rewards=({"len": 1.0, "acc": 0.0}, {"len": 1.0, "acc": 1.0}))
+    assert (await ref.call(PutGroup(group=spread, slot=s))).decision == "keep"

@@ -163,3 +163,23 @@ async def test_a_retried_group_is_regenerated_in_its_slot_without_a_new_reservat
     assert len(b.queue) == 2 and b.counts["retried"] == 1, (b.slot_table(), w.counts)
     assert b.next_slot == 2                          # the retry used its own slot
     await w._stop()
+
+
+async def test_release_slot_is_retried_and_a_final_failure_is_loud(capsys):
+    w, b = worker(FakeEngine())
+    s = (await w.buffer.call(__import__("miles.wire.messages", fromlist=["Reserve"]).Reserve())).slot
+    real, fails = w.buffer, {"n": 2}
+
+    class Flaky:
+        async def call(self, msg, timeout_s=60.0, retries=0):
+            if fails["n"] > 0:
+                fails["n"] -= 1
+                raise ConnectionError("buffer unreachable")
+            return await real.call(msg)
+
+    w.buffer = Flaky()
+    await w._release(s, "prompt failed for good")
+    assert b.slot_table() == [] and b.counts["dropped"] == 1     # released on the third try
+    fails["n"] = 100
+    await w._release(99, "x")
+    assert "ERROR [rollout] slot 99 could not be released" in capsys.readouterr().out
