@@ -298,20 +298,25 @@ class WeightPublisher:
 
 
 async def reachable_engines(engine_urls: list[str], *, timeout_s: float) -> list[str]:
-    """The engines of `engine_urls` that still answer (`/model_info`, which answers while paused);
-    after a failed publish the others are taken for dead and left to the fleet's restart."""
+    """The engines of `engine_urls` that are not dead. Dead means its port refuses or drops the
+    connection (`/model_info`): the process is gone, and the fleet restarts it. A slow answer or
+    none within `timeout_s` is not a death: such an engine stays in the set (a publish that
+    cannot reach it fails loudly rather than leave it serving stale weights)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def answers(url: str) -> bool:
+    async def alive(url: str) -> bool:
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 async with session.get(url.rstrip("/") + "/model_info") as resp:
-                    return resp.status < 500
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    await resp.read()
+                    return True
+        except asyncio.TimeoutError:
+            return True
+        except (aiohttp.ClientConnectionError, OSError):
             return False
 
-    alive = await asyncio.gather(*(answers(u) for u in engine_urls))
-    return [u for u, ok in zip(engine_urls, alive) if ok]
+    verdicts = await asyncio.gather(*(alive(u) for u in engine_urls))
+    return [u for u, ok in zip(engine_urls, verdicts) if ok]
 
 
 def _reason(e: BaseException, timeout_s: float) -> str:

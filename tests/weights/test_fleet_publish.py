@@ -135,3 +135,33 @@ async def test_two_trainer_ranks_agree_to_publish_again_to_the_survivors(tmp_pat
     assert zero["connected"] == one["connected"] == [engines[0].url]
     assert zero["v3"].startswith("failed:") and "answers any more" in zero["v3"], zero["v3"]
     assert one["v3"] == zero["v3"], "every rank fails with rank 0's reason"
+
+
+async def test_only_an_engine_whose_port_refuses_counts_as_dead():
+    from aiohttp import web
+
+    from miles.weights.publisher import reachable_engines
+
+    async def answer(request):
+        return web.json_response({"weight_version": "1"})
+
+    async def hang(request):
+        await asyncio.sleep(5)
+        return web.json_response({})
+
+    runners, urls = [], []
+    for handler in (answer, hang):
+        app = web.Application()
+        app.router.add_get("/model_info", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    closed = f"http://127.0.0.1:{free_port()}"
+    try:
+        assert await reachable_engines([urls[0], closed, urls[1]], timeout_s=0.5) == urls
+    finally:
+        for r in runners:
+            await r.cleanup()
