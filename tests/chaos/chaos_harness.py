@@ -59,6 +59,7 @@ class Case:
     kills: int = 1
     kill_every_steps: int = 2  # with kills > 1: the next kill once this many more steps are logged
     expect: str = "complete"   # "complete" | "resume" (the job ends by design; a second run resumes)
+    resume_if_ended: bool = False  # "complete" failed: still measure whether a second run resumes
     sets: dict = field(default_factory=dict)
     in_loop: bool = True
     notes: str = ""
@@ -79,7 +80,7 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("gateway", "gateway"),
     Case("rollout", "rollout"),
     Case("buffer", "buffer"),
-    Case("trainer", "trainer/0"),
+    Case("trainer", "trainer/0", resume_if_ended=True),
     Case("evaluator", "evaluator", kill_at_step=6,
          notes="killed between evaluations; the next ones (steps 8, 16, 24) must be served"),
     Case("driver", "driver", kill_at_step=8, expect="resume",
@@ -426,9 +427,11 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
     _finish(run, row, timeout_s, margin_s, failure)
     row["log"] = str(run.log_path)
     jobs, final = [read_rows(run.metrics)], run
-    if case.expect == "resume" and row["exit_code"] == 0 and row["done_printed"]:
+    first_completed = row["exit_code"] == 0 and row["done_printed"]
+    fallback = case.resume_if_ended and not first_completed and not row["hung"]
+    if case.expect == "resume" and first_completed:
         row["notes"].append("the first job completed: the driver was restarted in place, no resume needed")
-    elif case.expect == "resume" and not row["hung"]:
+    elif (case.expect == "resume" or fallback) and not row["hung"]:
         t_kill = time.monotonic()
         row["first_exit_code"] = row["exit_code"]
         final, failure = Run(case, out, sets, tag="_resume"), None
@@ -460,6 +463,10 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
                                    if r.get("kind") in ("eval", "eval_failed") and r["step"] > case.kill_at_step}
     row["completed"] = bool(row["exit_code"] == 0 and row["done_printed"] and not acc["steps_missing"]
                             and not row["hung"])
+    if fallback:  # the case failed; what a resume would have saved is reported beside it
+        row["completed_by_resume"], row["completed"] = row["completed"], False
+        row["notes"].append(f"the job ended (exit {row['first_exit_code']}); a second `miles run` "
+                            f"resumed from {row.get('resumed_from') or 'nothing'}")
     return row
 
 
