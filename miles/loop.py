@@ -3,8 +3,9 @@
     warm-start (SFT), publish, evaluate
     start rollout                      (the RolloutWorker fills the buffer on its own)
     for each step:
-        batch   <- buffer              (waits here: trainer idle time)
+        batch   <- buffer              (waits here: trainer idle time; restarted engines get weights)
         train on batch                 (all trainer ranks)
+        confirm the batch              (the buffer forgets it: trained exactly once)
         publish weights version+1      (engines pause in place, never abort)
         tell the buffer the version    (opens admission for newer groups)
         evaluate / checkpoint now and then

@@ -34,8 +34,8 @@ Design decisions:
   Slots of dropped groups are handed back, so dynamic sampling refills the batch.
 - A group that is nevertheless too stale when taken (it was overtaken while retried, say) meets
   the reject-stale backstop: `buffer.stale_action` decides (retry the prompt, or drop).
-- Journal (`<output_dir>/buffer/journal.bin`, `miles.actors.journal`): every transition is one
-  record written before the reply, and the same `_apply` replays it, so a restarted buffer
+- Journal (`<output_dir>/buffer/journal.bin`, `miles.actors.journal`; the records are in
+  `miles.actors.slots`): every transition is one record written before the reply, and the same `_apply` replays it, so a restarted buffer
   (SIGKILL at any point) comes back with every group it accepted, its slot table, its version
   and the rollout's data position. It is rewritten as one snapshot every
   `buffer.journal_compact_records` records. Incarnation 0 (a new job, or a resume from a
@@ -67,19 +67,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from miles.actors.base import Actor, ActorError
 from miles.actors.journal import Journal
+from miles.actors.slots import (HOLDING, STATES, JournalBatchOut, JournalBatchTrained,
+                                JournalHandedBack, JournalQueued, JournalReserved, JournalRetry,
+                                JournalRollout, JournalSnapshot, JournalVersion, SlotRow)
 from miles.rl.rewards import load_function
 from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, GetBatch,
                                  GetQueuedPrompts, GetRolloutResume, Group, Message, Metrics,
                                  NoteRolloutStart, OrphanSlot, PutGroup, PutReply, QueuedPrompts,
                                  ReleaseSlot, Reservation, Reserve, RolloutResume, SetVersion)
-
-STATES = ("reserved", "generating", "retry", "queued", "out")
-HOLDING = ("reserved", "generating", "retry")      # hold the admission window (rule B)
-
 
 @dataclass
 class Decision:
@@ -123,86 +120,6 @@ class BufferPolicy:
     def on_stale(self, group: Group, staleness: int) -> Decision:
         return Decision(self.stale_action if self.stale_action == "drop" else "retry",
                         f"staleness {staleness}")
-
-
-# ----- journal records: one per transition, applied by `Buffer._apply` live and on replay -------
-
-class JournalReserved(Message):
-    slot: int
-    version: int
-    prompt_index: int = -1
-    attempt: int = 0
-    owner: int = -1
-    request_id: str = ""
-    stale_prompt: bool = False               # the prompt came from the stale-retry list
-    data_state: dict[str, Any] | None = None  # the rollout's data position after this prompt
-    replay: list[int] = []
-
-
-class JournalRetry(Message):
-    slot: int
-    attempt: int
-
-
-class JournalQueued(Message):
-    slot: int
-    group: Group
-
-
-class JournalHandedBack(Message):
-    slot: int
-    why: str                                 # "dropped" | "filtered" | "stale"
-    retry_prompt: int = -1
-
-
-class JournalBatchOut(Message):
-    request_id: str
-    slots: list[int]
-    staleness: list[int]
-    version: int
-
-
-class JournalBatchTrained(Message):
-    request_id: str
-
-
-class JournalVersion(Message):
-    version: int
-
-
-class JournalRollout(Message):
-    owner: int
-    data_state: dict[str, Any] | None = None
-    replay: list[int] = []
-
-
-class SlotRow(msgspec.Struct, kw_only=True):
-    slot: int
-    state: str
-    prompt_index: int = -1
-    attempt: int = 0
-    owner: int = -1
-    request_id: str = ""
-    batch: str = ""
-    group: Group | None = None
-
-
-class JournalSnapshot(Message):
-    version: int
-    base_version: int | None
-    next_slot: int
-    handed_back: int
-    back_slots: list[int]
-    stale_prompts: list[int]
-    slots: list[SlotRow]
-    batches: dict[str, tuple[list[int], list[int], int]]
-    counts: dict[str, int]
-    staleness_sum: int
-    staleness_max: int
-    rollout_owner: int
-    rollout_started: bool
-    data_state: dict[str, Any]
-    replay: list[int]
 
 
 class Buffer(Actor):
