@@ -38,7 +38,8 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -60,18 +61,21 @@ class Case:
     kill_every_steps: int = 2  # with kills > 1: the next kill once this many more steps are logged
     expect: str = "complete"   # "complete" | "resume" (the job ends by design; a second run resumes)
     resume_if_ended: bool = False  # "complete" failed: still measure whether a second run resumes
+    serve_s: float = 0.0       # engine: kill only after the engine has answered /health this long
     sets: dict = field(default_factory=dict)
     in_loop: bool = True
     notes: str = ""
 
 
 def engine_restart_sets(kills: int) -> dict:
-    """Overrides that let the fleet take `kills` engine deaths in one run: a restart window
-    (`engine.restart_window_s`) where the fleet has one, else a total budget that is big enough."""
+    """Overrides that let the fleet take `kills` engine deaths spread over one run: where the fleet
+    counts quick deaths (`engine.restart_window_s`: a death that soon after the engine became
+    ready), a window shorter than the time the harness lets each engine serve (`Case.serve_s`),
+    so spread kills are not a crash loop; else a total budget that is big enough."""
     sets = {"engine.max_restarts": kills + 2}
     # read from the source the run uses, which need not be the one imported here
     if "restart_window_s" in (SOURCE / "miles" / "rl" / "config.py").read_text():
-        sets = {"engine.restart_window_s": 60.0, "engine.max_restarts": 3}
+        sets = {"engine.restart_window_s": 3.0, "engine.max_restarts": 3} if kills > 1 else {}
     return sets
 
 
@@ -86,8 +90,10 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("driver", "driver", kill_at_step=8, expect="resume",
          notes="completion impossible by design (the main actor's exit ends the job): a second "
                "`miles run` on the same output dir resumes from the step-5 checkpoint"),
-    Case("engine_x10", "engine", kill_at_step=3, kills=10, kill_every_steps=2,
-         sets={"loop.num_steps": 24}),
+    Case("engine_x10", "engine", kill_at_step=3, kills=10, kill_every_steps=1, serve_s=6.0,
+         sets={"loop.num_steps": 30},
+         notes="each kill once the engine has served 6 s; engine.restart_window_s = 3 (a death "
+               "within 3 s of becoming ready is a crash loop)"),
     Case("session_server", "session_server", in_loop=False,
          notes="not in this loop: the TITO session server is not part of the RL loop yet"),
 ]}
@@ -354,17 +360,35 @@ class Run:
         return '{"done": true' in self.log_path.read_text(errors="replace")
 
 
+def _healthy(engine: psutil.Process) -> bool:
+    """The embedded engine answers /health on the port of its command line."""
+    try:
+        cmd = engine.cmdline()
+        port = cmd[cmd.index("--port") + 1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except (psutil.Error, ValueError, IndexError, OSError):
+        return False
+
+
 def kill_target(run: Run, case: Case, deadline_s: float = 30.0, not_pids: set[int] = frozenset()) -> int:
-    """SIGKILL the case's target (a fresh one: not in `not_pids`); returns its pid."""
-    end = time.monotonic() + deadline_s
+    """SIGKILL the case's target (a fresh one: not in `not_pids`; with `case.serve_s`, one that has
+    been healthy that long); returns its pid."""
+    end, healthy_since = time.monotonic() + deadline_s + case.serve_s, {}
     while time.monotonic() < end:
         found = [p for p in find_target(run.root, case.target) if p.pid not in not_pids]
-        if found:
-            found[0].send_signal(signal.SIGKILL)
-            return found[0].pid
+        for p in found:
+            if case.serve_s and p.pid not in healthy_since:
+                if not _healthy(p):
+                    continue
+                healthy_since[p.pid] = time.monotonic()
+            if time.monotonic() - healthy_since.get(p.pid, -1e9) >= case.serve_s:
+                p.send_signal(signal.SIGKILL)
+                return p.pid
         time.sleep(0.2)
-    raise ChaosTimeout(f"case {case.name}: no live {case.target!r} process among the run's "
-                       f"descendants within {deadline_s:.0f} s")
+    serving = f" healthy for {case.serve_s:.0f} s" if case.serve_s else ""
+    raise ChaosTimeout(f"case {case.name}: no live {case.target!r} process{serving} among the run's "
+                       f"descendants within {deadline_s + case.serve_s:.0f} s")
 
 
 def _drive(run: Run, case: Case, timeout_s: float, start_deadline_s: float, margin_s: float,
@@ -374,9 +398,10 @@ def _drive(run: Run, case: Case, timeout_s: float, start_deadline_s: float, marg
     recoveries, killed, step = [], set(), case.kill_at_step
     for k in range(case.kills):
         got = run.wait_step(step, start_deadline_s if k == 0 else timeout_s + margin_s)
-        killed.add(kill_target(run, case, not_pids=killed))
+        killed.add(kill_target(run, case, deadline_s=timeout_s, not_pids=killed))
         t_kill = time.monotonic()
         row["kills"] += 1
+        row.setdefault("killed_at_steps", []).append(last_train_step(run.metrics))
         if case.expect == "resume":
             break
         nxt = run.wait_step(got + 1, timeout_s + margin_s)
