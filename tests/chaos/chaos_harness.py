@@ -397,11 +397,11 @@ def _drive(run: Run, case: Case, timeout_s: float, start_deadline_s: float, marg
     times (kill -> next training step logged)."""
     recoveries, killed, step = [], set(), case.kill_at_step
     for k in range(case.kills):
-        got = run.wait_step(step, start_deadline_s if k == 0 else timeout_s + margin_s)
+        run.wait_step(step, start_deadline_s if k == 0 else timeout_s + margin_s)
         killed.add(kill_target(run, case, deadline_s=timeout_s, not_pids=killed))
-        t_kill = time.monotonic()
+        t_kill, got = time.monotonic(), last_train_step(run.metrics)  # steps go on while it waits
         row["kills"] += 1
-        row.setdefault("killed_at_steps", []).append(last_train_step(run.metrics))
+        row.setdefault("killed_at_steps", []).append(got)
         if case.expect == "resume":
             break
         nxt = run.wait_step(got + 1, timeout_s + margin_s)
