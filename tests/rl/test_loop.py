@@ -147,6 +147,7 @@ def _actor_pid(root_pid: int, name: str) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_killed_buffer_and_rollout_come_back_and_the_run_completes(tmp_path):
     """SIGKILL the buffer mid-run, then the rollout worker: the buffer restores its journal, the
     worker resumes from it, and every step trains a full batch (issue 15, item 3)."""
