@@ -100,7 +100,7 @@ CASES: dict[str, Case] = {c.name: c for c in [
          notes="completion impossible by design (the main actor's exit ends the job): a second "
                "`miles run` on the same output dir resumes from the step-5 checkpoint"),
     Case("engine_x10", "engine", kill_at_step=3, kills=10, kill_every_steps=1, serve_s=6.0,
-         sets={"loop.num_steps": 30},
+         sets={"loop.num_steps": 45},  # each kill costs a restart and 6 s of serving: ~4 steps
          notes="each kill once the engine has served 6 s; engine.restart_window_s = 3 (a death "
                "within 3 s of becoming ready is a crash loop)"),
     Case("session_server", "session_server", in_loop=False,
