@@ -1,4 +1,5 @@
-"""The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`.
+"""The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`,
+`miles replay runs/<name>/wire/driver.mlw [--step N] [--resend URL]` (see `miles/replay.py`).
 
 Both commands run the same checks first (`load_recipe`, then `check_recipe`): a broken recipe ends
 with exit code 2 and one line, `miles: <source>: <key.path> = <value>: <what was expected>`,
@@ -23,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("recipe")
         c.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.KEY=VALUE", help="override a recipe value (repeatable)")
+    # listed for --help only: `miles replay ...` is dispatched before this parser (see main)
+    sub.add_parser("replay", help="re-run a step recorded by logging.record_wire (miles replay -h)")
     return p
 
 
@@ -36,6 +39,10 @@ def describe(recipe) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["replay"]:  # its own flags (miles/replay.py)
+        from miles.replay import main as replay_main
+        return replay_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from miles.actors.base import Actor, ActorDied, ActorTimeout
+from miles.actors.base import Actor, ActorDied, ActorTimeout, RemoteError
 from miles.rl.logger import MetricsLogger
 from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, EnginesUpdated,
                                  Evaluate, GetBatch, GetEngines, GetMetrics, GetQueuedPrompts,
@@ -73,6 +73,7 @@ class LoopDriver(Actor):
                                 retries=ACTOR_RETRIES)
 
         for step in range(step + 1, r.loop.num_steps + 1):
+            await self.start_recording(step)
             batch, request_id = await self.next_batch(step)
             t0 = time.monotonic()
             train_metrics = await self.train([s for g in batch.groups for s in g.samples])
@@ -87,6 +88,9 @@ class LoopDriver(Actor):
             if r.loop.save_every and step % r.loop.save_every == 0:
                 await self.checkpoint(step, self.version)
 
+        if self.runtime.recorder is not None:
+            self.runtime.recorder.step = 0
+            self.runtime.recorder.close()
         await self.rollout.call(StopRollout(), retries=ACTOR_RETRIES)
         if not (r.loop.save_every and r.loop.num_steps % r.loop.save_every == 0):
             await self.checkpoint(r.loop.num_steps, self.version)
@@ -115,6 +119,23 @@ class LoopDriver(Actor):
         self.version = 0
         self.pending_evals: list[asyncio.Task] = []
         self.ckpt_root = Path(r.output_dir) / "checkpoints"
+        if r.logging.record_wire:
+            from miles.wire.recorder import WireRecorder
+            rt.recorder = WireRecorder(Path(r.output_dir) / "wire" / "driver.mlw",
+                                       set(r.logging.record_steps) or None)
+
+    async def start_recording(self, step: int) -> None:
+        """The flight recorder (`logging.record_wire`): before a recorded step the trainers save
+        the state they train it from (`wire/step_NNNNNN/pre_state`), then every call of the step
+        and its reply are written to `wire/driver.mlw`; `miles replay` re-runs it from both."""
+        rec = self.runtime.recorder
+        if rec is None:
+            return
+        rec.step = 0
+        if rec.wants(step):
+            pre = rec.path.parent / f"step_{step:06d}" / "pre_state"
+            await self.on_all_trainers(SaveCheckpoint(path=str(pre), extra_state={"step": step - 1}))
+        rec.step = step
 
     async def on_all_trainers(self, msg, timeout_s: float | None = None) -> list:
         timeout_s = timeout_s or self.recipe.loop.timeout_s
@@ -163,17 +184,26 @@ class LoopDriver(Actor):
             if engine_set.generation == self.engine_generation:
                 return
             urls = [*engine_set.engine_urls, *engine_set.pending_urls]
+            if not urls:  # an empty set means "the connected one" to the trainers: wait instead
+                return
             print(f"[driver] engine set generation {engine_set.generation}: publishing version "
                   f"{self.version} to {urls}", flush=True)
             await self.on_all_trainers(PublishWeights(version=self.version, engine_urls=urls))
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
                                                    version=self.version), timeout_s=60.0)
             self.engine_generation = engine_set.generation
-        except (ActorDied, ActorTimeout, ConnectionError) as e:  # tried again next interval
+        except (ActorDied, ActorTimeout, RemoteError, ConnectionError) as e:  # again next interval
             print(f"[driver] engine set sync failed, retrying: {type(e).__name__}: {e}", flush=True)
 
     async def publish(self, version: int) -> None:
         engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
+        deadline = time.monotonic() + self.recipe.engine.start_timeout_s
+        while not (engine_set.engine_urls or engine_set.pending_urls):  # every engine restarting
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"publish of version {version}: no engine came back within "
+                                   f"engine.start_timeout_s = {self.recipe.engine.start_timeout_s} s")
+            await asyncio.sleep(self.recipe.engine.health_interval_s)
+            engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
         await self.on_all_trainers(PublishWeights(
             version=version, engine_urls=[*engine_set.engine_urls, *engine_set.pending_urls]))
         if engine_set.generation != self.engine_generation:

@@ -110,6 +110,7 @@ class Runtime:
         self.name = name or f"client-{os.getpid()}"
         self.node_rank = node_rank
         self.curve = auth.keys_from_env() if curve is _FROM_ENV else curve
+        self.recorder = None  # a miles.wire.recorder.WireRecorder records this process's calls
         self._authenticator = (auth.start_authenticator(self.ctx, self.curve)
                                if self.curve is not None else None)
         self._conns: dict[str, Connection] = {}
@@ -211,7 +212,13 @@ class ActorRef:
             try:
                 conn = await self._connection(left, min_inc)
                 sent = True
-                return await conn.request("call", msg, deadline - time.monotonic())
+                recorder = self.runtime.recorder  # the flight recorder (logging.record_wire)
+                if recorder is not None:
+                    recorder.record("call", self.name, msg)
+                reply = await conn.request("call", msg, deadline - time.monotonic())
+                if recorder is not None:
+                    recorder.record("reply", self.name, reply)
+                return reply
             except ConnectionLost as e:
                 self._forget()
                 if attempt >= retries or self._fixed is not None:

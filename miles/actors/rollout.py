@@ -72,6 +72,25 @@ class EngineAborted(Exception):
     """The engine ended a request early (it was stopping or died): retried from the prompt."""
 
 
+def sampling_params(cfg, seed: int):
+    """The `/generate` sampling params of one sample (`cfg` is `recipe.rollout`)."""
+    from miles.engines.client import SamplingParams
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                          top_p=cfg.top_p, top_k=cfg.top_k, sampling_seed=seed,
+                          stop_token_ids=cfg.stop_token_ids or None,
+                          ignore_eos=cfg.ignore_eos or None)
+
+
+def engine_request(recipe, sample: Sample) -> tuple[list[int], Any, str]:
+    """(prompt ids, sampling params, rid) of the request the built-in worker sent for a trained
+    sample: the seed is derived, so it is rebuilt exactly (`miles replay --resend`)."""
+    meta = sample.metadata
+    seed = sample_seed(recipe.run.seed, int(meta.get("prompt_index", 0)), sample.index,
+                       int(meta.get("retries", 0)))
+    prompt = sample.tokens[:sample.prompt_length].tolist()
+    return prompt, sampling_params(recipe.rollout, seed), f"{sample.rollout_id}-{seed}"
+
+
 def transient(e: BaseException) -> bool:
     from miles.engines.client import EngineUnavailable
     return isinstance(e, (EngineUnavailable, EngineAborted, ConnectionError, asyncio.TimeoutError))
@@ -397,13 +416,8 @@ class RolloutWorker(Actor):
         """One engine call; override for multi-turn or tool use (keep tokens token-exact).
         Raise (or return status "aborted") on an engine failure: the caller retries transient
         ones from the prompt."""
-        from miles.engines.client import SamplingParams
-
         cfg = self.cfg
-        params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                top_p=cfg.top_p, top_k=cfg.top_k, sampling_seed=seed,
-                                stop_token_ids=cfg.stop_token_ids or None,
-                                ignore_eos=cfg.ignore_eos or None)
+        params = sampling_params(cfg, seed)
         result = await self.client.generate(sample.tokens.tolist(), params, return_logprob=True,
                                             return_routed_experts=cfg.return_routed_experts,
                                             routing_key=sample.group_id,

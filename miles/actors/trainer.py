@@ -37,14 +37,11 @@ class Trainer(Actor):
         self.publisher = None
 
     async def on_start(self) -> None:
-        from miles.backends.base import RankInfo, make_backend
+        from miles.backends.base import RankInfo
 
-        r = self.recipe
         self.rank = RankInfo.from_env()
-        self.phases = phases_for(r)
-        rl = self.phases["rl"]
-        self.backend = make_backend(r.train.backend)
-        await asyncio.to_thread(self.backend.init, rl.config, self.rank, rl.loss)
+        self.phases = phases_for(self.recipe)
+        self.backend = await asyncio.to_thread(build_backend, self.recipe, self.rank)
 
     async def _run(self, fn, *args):
         async with self.lock:
@@ -190,6 +187,17 @@ class Trainer(Actor):
             await asyncio.to_thread(self.transport.close)
         if self.backend is not None:
             self.backend.close()
+
+
+def build_backend(recipe, rank):
+    """The recipe's training backend, initialised for `rank`: what every trainer rank builds,
+    and what `miles replay` builds to re-run a recorded step offline."""
+    from miles.backends.base import make_backend
+
+    rl = phases_for(recipe)["rl"]
+    backend = make_backend(recipe.train.backend)
+    backend.init(rl.config, rank, rl.loss)
+    return backend
 
 
 def phases_for(recipe) -> dict:
