@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import msgspec
+
 from miles.config import RecipeError, load_recipe
 from miles.recipe_checks import check_placement, check_recipe
 
@@ -60,8 +62,19 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(with_default_actors(recipe)))  # the placement `run` will start
         print("recipe OK")
         return 0
+    from miles.loop import RESUME_EXIT_CODE
     from miles.node import run_node
-    return run_node(recipe)
+
+    for attempt in range(recipe.loop.auto_resumes + 1):
+        code = run_node(recipe)
+        if code != RESUME_EXIT_CODE or attempt == recipe.loop.auto_resumes:
+            return code
+        # The driver asked for it (a trainer rank died): the same job, from its newest checkpoint.
+        print(f"miles: restarting the job from its newest checkpoint "
+              f"(auto-resume {attempt + 1} of loop.auto_resumes = {recipe.loop.auto_resumes})",
+              file=sys.stderr, flush=True)
+        recipe = msgspec.structs.replace(recipe, loop=msgspec.structs.replace(recipe.loop, resume=True))
+    return code
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ Design decisions:
   `engine.health_interval_s`; when the engine set changed (a restarted engine waits for weights)
   every trainer rank publishes the current version to the new set, then the fleet is told
   (`EnginesUpdated`). In sync mode with one engine nothing else would ever give it weights.
+- A trainer rank that dies ends the job with exit code 75 (`RESUME_EXIT_CODE`): a torch
+  process group cannot take back one rank, and the state since the last checkpoint died with
+  it. `miles run` then starts the job again from the newest checkpoint by itself
+  (`loop.auto_resumes` times); the prompts in flight at that checkpoint are generated again, so
+  nothing accepted is lost. The driver's own death ends the job the same way (resume by hand).
 - A restarted rollout worker resumes by itself from the buffer's journal (see `actors/rollout.py`);
   the driver's calls to it are idempotent and re-sent after a restart.
 """
@@ -59,8 +64,25 @@ from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, Engi
 ACTOR_RETRIES = 3    # re-sends of an idempotent call after the actor restarted
 
 
+RESUME_EXIT_CODE = 75  # EX_TEMPFAIL: `miles run` starts the job again from its newest checkpoint
+
+
+class TrainerDied(ActorDied):
+    """A trainer rank died: its process group cannot take it back, so the job resumes."""
+
+
 class LoopDriver(Actor):
     async def run(self) -> int:
+        try:
+            return await self.run_loop()
+        except TrainerDied as e:
+            latest = self.latest_checkpoint()
+            print(f"[driver] {e}; the trainer group cannot continue: the job restarts from "
+                  f"{latest or 'the beginning (no checkpoint yet)'} (exit code {RESUME_EXIT_CODE})",
+                  flush=True)
+            return RESUME_EXIT_CODE
+
+    async def run_loop(self) -> int:
         r = self.recipe
         await self.connect()
         step, self.version, data_state, replay = await self.resume_or_warm_start()
@@ -139,7 +161,10 @@ class LoopDriver(Actor):
 
     async def on_all_trainers(self, msg, timeout_s: float | None = None) -> list:
         timeout_s = timeout_s or self.recipe.loop.timeout_s
-        return await asyncio.gather(*(t.call(msg, timeout_s=timeout_s) for t in self.trainers))
+        try:
+            return await asyncio.gather(*(t.call(msg, timeout_s=timeout_s) for t in self.trainers))
+        except ActorDied as e:
+            raise TrainerDied(str(e)) from None
 
     async def train(self, samples: list[Sample], phase: str = "rl") -> dict[str, float]:
         results = await self.on_all_trainers(TrainStep(samples=samples, phase=phase))
@@ -204,8 +229,26 @@ class LoopDriver(Actor):
                                    f"engine.start_timeout_s = {self.recipe.engine.start_timeout_s} s")
             await asyncio.sleep(self.recipe.engine.health_interval_s)
             engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
-        await self.on_all_trainers(PublishWeights(
-            version=version, engine_urls=[*engine_set.engine_urls, *engine_set.pending_urls]))
+        while True:
+            try:
+                await self.on_all_trainers(PublishWeights(
+                    version=version, engine_urls=[*engine_set.engine_urls, *engine_set.pending_urls]))
+                break
+            except RemoteError as e:
+                # Every engine died around the publish: the fleet restarts them, and a restarted
+                # engine comes back pending; publish to it then. Any other failure is fatal.
+                if "answers any more" not in str(e) or time.monotonic() > deadline:
+                    raise
+                print(f"[driver] publish of version {version}: no engine answers; waiting for "
+                      f"the fleet to restart one", flush=True)
+                while True:
+                    await asyncio.sleep(self.recipe.engine.health_interval_s)
+                    fresh = await self.engines.call(GetEngines(), timeout_s=60.0)
+                    if fresh.generation != engine_set.generation and (fresh.engine_urls or fresh.pending_urls):
+                        engine_set = fresh
+                        break
+                    if time.monotonic() > deadline:
+                        raise
         if engine_set.generation != self.engine_generation:
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
                                                    version=version), timeout_s=60.0)
@@ -261,8 +304,14 @@ class LoopDriver(Actor):
             ckpt = str(path)
 
         async def run() -> None:
-            result = await self.evaluator.call(Evaluate(step=step, version=version, checkpoint_dir=ckpt),
-                                               timeout_s=self.recipe.eval.timeout_s + 30)
+            try:  # a restarted evaluator gets the request again; any failure skips this point
+                result = await self.evaluator.call(
+                    Evaluate(step=step, version=version, checkpoint_dir=ckpt),
+                    timeout_s=self.recipe.eval.timeout_s + 30, retries=ACTOR_RETRIES)
+            except Exception as e:  # noqa: BLE001 - never fatal (module docstring)
+                self.log.log("eval_failed", step, {"error": f"{type(e).__name__}: {e}"},
+                             version=version)
+                return
             extra = {"version": result.version, "eval_lag_s": round(result.lag_s, 3)}
             if result.ok:
                 self.log.log("eval", step, result.metrics, **extra)
@@ -301,7 +350,9 @@ class LoopDriver(Actor):
                    "rollout/reward": float(np.mean(rewards)), "rollout/response_len": float(np.mean(lengths)),
                    "perf/train_s": train_s, "perf/step_s": step_s,
                    "batch/staleness_avg": float(np.mean(batch.staleness)) if batch.staleness else 0.0}
-        self.log.log("train", step, metrics, version=version)
+        # which prompts this step trained: what proves nothing was lost or trained twice
+        self.log.log("train", step, metrics, version=version,
+                     **{"batch/prompt_indices": [g.prompt_index for g in batch.groups]})
         asyncio.get_running_loop().create_task(self._log_actor_metrics(step))
 
     async def _log_actor_metrics(self, step: int) -> None:

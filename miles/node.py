@@ -65,7 +65,8 @@ from pathlib import Path
 
 import zmq
 
-from miles.actors.base import Actor, ActorError, Registry, Runtime, run_event_loop
+from miles.actors.base import Actor, ActorError, Runtime, run_event_loop
+from miles.actors.registry import Registry
 from miles.config import ActorSpec, Recipe, recipe_to_json
 from miles.supervise import LogFollower, SupervisedProcess, read_log_tail
 from miles.wire import auth

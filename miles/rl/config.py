@@ -36,6 +36,9 @@ class LoopConfig(Section):
     resume: bool = True               # continue from the newest checkpoint in the run directory
     eval_every: Count = 0             # 0: eval only at the start and the end
     timeout_s: Seconds = 600.0        # any single wait of the loop (a batch, a publish)
+    # A trainer rank that dies takes its torch process group with it: the job ends with exit code
+    # 75 and `miles run` starts it again from the newest checkpoint, at most this many times.
+    auto_resumes: Count = 3
 
     @property
     def staleness(self) -> int:

@@ -93,7 +93,11 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("gateway", "gateway"),
     Case("rollout", "rollout"),
     Case("buffer", "buffer"),
-    Case("trainer", "trainer/0", resume_if_ended=True),
+    Case("trainer", "trainer/0",
+         notes="a trainer rank's death ends the job by design (its torch process group cannot take "
+               "it back) and `miles run` restarts it from the newest checkpoint by itself "
+               "(loop.auto_resumes): one command, two jobs; the second's steps replace the first's "
+               "from the checkpoint on"),
     Case("evaluator", "evaluator", kill_at_step=6,
          notes="killed between evaluations; the next ones (steps 8, 16, 24) must be served"),
     Case("driver", "driver", kill_at_step=8, expect="resume",
@@ -209,6 +213,21 @@ def account(jobs: list[list[dict]], num_steps: int, groups_per_step: int, sample
             notes.append(f"steps {short} trained a batch of other than {groups_per_step} groups")
     return {"steps_trained": len(trained_steps), "steps_missing": missing, "steps_repeated": repeated,
             "samples_lost": lost_total, "trained_twice": twice, "notes": notes}
+
+
+def split_jobs(rows: list[dict]) -> list[list[dict]]:
+    """The jobs in one metrics file: a job that resumed (by hand, or `miles run`'s auto-resume
+    after a trainer death) appends to it and starts again at its checkpoint's step + 1, so a
+    training step that does not go up starts the next job."""
+    jobs: list[list[dict]] = [[]]
+    last = 0
+    for r in rows:
+        if r.get("kind") == "train":
+            if r["step"] <= last:
+                jobs.append([])
+            last = r["step"]
+        jobs[-1].append(r)
+    return jobs
 
 
 def job_groups_lost(rows: list[dict], groups_per_step: int) -> tuple[int | None, str]:
@@ -485,6 +504,7 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
     row["recovery_s"] = round(max(recoveries), 2) if recoveries else None
     if len(recoveries) > 1:
         row["recovery_s_each"] = [round(r, 2) for r in recoveries]
+    jobs = split_jobs(read_rows(final.metrics))  # both runs append to one file; auto-resumes too
     acc = account(jobs, num_steps, recipe.loop.groups_per_step, recipe.rollout.n_samples_per_prompt,
                   killed_jobs=len(jobs) - 1)
     row.update({k: acc[k] for k in ("steps_trained", "samples_lost", "trained_twice", "steps_missing",
