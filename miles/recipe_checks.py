@@ -68,6 +68,12 @@ def check_placement(recipe: Recipe, nnodes: int, source: str = "<recipe>") -> No
                 raise bad_value(source, key, spec.nodes if spec.nodes is not None else spec.node,
                                 f"expected nodes < {nnodes}: this job has {nnodes} node(s) "
                                 f"(NNODES / SLURM_NNODES)")
+    from miles.wire.auth import keys_from_env
+    if recipe.cluster.auth == "curve" and nnodes > 1 and keys_from_env() is None:
+        # each node would make a key of its own, and no node could talk to another
+        raise bad_value(source, "cluster.auth", "curve",
+                        f"a job on {nnodes} nodes needs one key for all of them: export it to "
+                        f"every node first (eval $(python -m miles.wire.auth))")
 
 
 def loop_warnings(recipe: Recipe) -> list[str]:

@@ -135,3 +135,16 @@ async def test_a_curve_job_without_an_exported_key_makes_one_for_its_children(no
             await stranger.registry.call(ListActors(), timeout_s=10)
     finally:
         stranger.close()
+
+
+def test_a_multi_node_curve_job_without_an_exported_key_is_refused(monkeypatch):
+    from miles.config import RecipeError, load_recipe
+    from miles.recipe_checks import check_placement
+
+    monkeypatch.delenv("MILES_CURVE_PUBLIC", raising=False)
+    monkeypatch.delenv("MILES_CURVE_SECRET", raising=False)
+    recipe = load_recipe(text='[cluster]\nauth = "curve"\n')
+    check_placement(recipe, 1)  # one node makes its own key
+    import pytest
+    with pytest.raises(RecipeError, match=r"cluster.auth = 'curve'.*2 nodes.*miles.wire.auth"):
+        check_placement(recipe, 2)
