@@ -68,7 +68,7 @@ def refusal(text: str, overrides=()) -> str:
     # contradictions
     (QUICKSTART, ["loop.mode='sync'", "loop.max_staleness=5"],
      "loop.max_staleness = 5: expected 0 with loop.mode = 'sync'"),
-    (QUICKSTART, ["loop.mode='one_step_off'"], "loop.max_staleness = 2: expected 1 with loop.mode = "
+    (QUICKSTART, ["loop.mode='one_step_off'", "loop.max_staleness=2"], "loop.max_staleness = 2: expected 1 with loop.mode = "
                                                "'one_step_off'"),
     (QUICKSTART, ["rollout.temperature=0.7"], "train.temperature = 1.0: expected rollout.temperature (0.7)"),
     (QUICKSTART, ["rollout.temperature=0"], "rollout.temperature = 0.0: expected > 0"),

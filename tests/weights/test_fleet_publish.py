@@ -48,7 +48,7 @@ async def test_publish_drops_dead_engines_and_follows_the_engine_set(tmp_path, t
                                       max_tokens_per_microbatch=4096),
                     weights=WeightsConfig(transport=transport, check_weights=True,
                                           disk_dir=str(tmp_path / "weights"), bucket_bytes=1 << 20,
-                                          direct_min_bytes=0, connect_timeout_s=30.0,
+                                          direct_min_bytes=0, connect_timeout_s=75.0,  # > group_timeout_s: a survivor stuck in the abandoned collective answers after it
                                           control_timeout_s=5.0, pause_timeout_s=10.0,
                                           bucket_timeout_s=30.0, group_timeout_s=30.0))
     e0, e1, e2 = engines = await start_engines(path, 3, tmp_path)
