@@ -534,6 +534,9 @@ class Actor:
             call = header.kind == "call"
             key = (ident, header.id) if call else result
             task = self._spawn(self._finish_async(key, ident, header, msg, result))
+            # cancelled before it ran (a cancel frame, shutdown): close the handler's coroutine,
+            # which was never awaited (closing a finished one does nothing)
+            task.add_done_callback(lambda t, coro=result: coro.close() if t.cancelled() else None)
             self._inflight[key] = (task, ident if call else None, type(msg).__name__,
                                    time.monotonic())
         else:
