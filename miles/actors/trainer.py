@@ -9,6 +9,10 @@ Design decisions:
 - Weight publication: every rank runs `backend.update_weights(transport, version)` (gathering
   shards is collective); rank 0 alone also owns the engine session around it (pause -> transfer
   -> version -> continue) through `WeightPublisher`.
+- The engine set follows `PublishWeights.engine_urls`: a new set (a restarted engine) closes and
+  reconnects the transport on every rank. An engine that dies during a publish is dropped: the
+  ranks agree on the survivors over a gloo group of their own and publish again; with none left
+  the publish fails (the driver then waits for the fleet to restart one).
 - Two training phases (`phases_for`): "rl" (`algo`, `train`) and the SFT warm-start ("sft": the
   same objective with `loss_type = "sft"`, a constant `sft.lr`). Each call hands its phase to
   `backend.train`, so nothing is switched on the backend between calls, and the backend keeps one
