@@ -34,7 +34,7 @@ Design decisions:
   Slots of dropped groups are handed back, so dynamic sampling refills the batch.
 - A group that is nevertheless too stale when taken (it was overtaken while retried, say) meets
   the reject-stale backstop: `buffer.stale_action` decides (retry the prompt, or drop).
-- Journal (`<output_dir>/buffer/journal.bin`, `miles.actors.journal`; the records are in
+- Journal (`<output_dir>/buffer/journal.bin`, `miles.wire.journal`; the records are in
   `miles.actors.slots`): every transition is one record written before the reply, and the same `_apply` replays it, so a restarted buffer
   (SIGKILL at any point) comes back with every group it accepted, its slot table, its version
   and the rollout's data position. It is rewritten as one snapshot every
@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.actors.base import Actor, ActorError
-from miles.actors.journal import Journal
+from miles.wire.journal import Journal
 from miles.actors.slots import (HOLDING, STATES, JournalBatchOut, JournalBatchTrained,
                                 JournalHandedBack, JournalQueued, JournalReserved, JournalRetry,
                                 JournalRollout, JournalSnapshot, JournalVersion, SlotRow)

@@ -6,11 +6,10 @@
     ...
     for rec in read_records(path): rec.meta.step, rec.header.kind, rec.msg
 
-File format (`.mlw`, "Miles wire log"): a sequence of records, each one
-`u32 frame count, then per frame: u32 length, bytes` (little-endian). Frame 0 is a msgpack
-`RecordMeta` (time, step, direction, peer); the others are the message's own frames exactly as
-the codec puts them on the wire ([header, body, *array frames]), so a record decodes with the same
-`Codec.decode` a receiver uses and arrays come back bit for bit.
+File format (`.mlw`, "Miles wire log"): a `miles.wire.journal.Journal` (the buffer's journal
+format: length- and CRC-framed records of codec-encoded messages, arrays as raw frames), where
+each recorded message is preceded by its `RecordMeta` (time, step, direction, peer). It decodes
+with the same codec a receiver uses, so arrays come back bit for bit.
 
 Design decisions:
 - Recording is off the hot path unless asked for (`logging.record_wire`): one attribute check per
@@ -19,28 +18,23 @@ Design decisions:
 - The recorder lives in the process that drives the loop: the driver sees every message that
   makes a step (the batch from the buffer, the train call on every rank and its metrics, the
   publish, the version). That is what `miles replay` needs to re-run a step offline.
-- Each record is flushed whole: a run killed mid-step leaves a readable file up to the last
-  complete record (a torn tail is reported by `read_records`, not raised as garbage).
+- Each record is one write: a run killed mid-step leaves a readable file up to the last complete
+  record (a torn tail is reported by `read_records`, and left in the file).
 - No pickle: the payloads are the codec's msgpack and raw array bytes.
 """
 
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
-import msgspec
-
-from miles.wire.codec import Codec
-from miles.wire.messages import Header, Message
-
-_U32 = struct.Struct("<I")
+from miles.wire.journal import Journal
+from miles.wire.messages import Message
 
 
-class RecordMeta(msgspec.Struct, array_like=True):
+class RecordMeta(Message):
     t: float            # wall-clock seconds (time.time())
     step: int           # the loop step being recorded
     direction: str      # "call" (request sent) | "reply" (answer received) | "error"
@@ -50,7 +44,6 @@ class RecordMeta(msgspec.Struct, array_like=True):
 @dataclass
 class Record:
     meta: RecordMeta
-    header: Header
     msg: Message
 
 
@@ -63,8 +56,7 @@ class WireRecorder:
         self.steps = set(steps) if steps else None   # None: every step
         self.step = 0
         self.records = 0
-        self._codec = Codec()
-        self._file: BinaryIO | None = None
+        self._journal = Journal(self.path)
 
     @property
     def active(self) -> bool:
@@ -73,28 +65,16 @@ class WireRecorder:
     def wants(self, step: int) -> bool:
         return step > 0 and (self.steps is None or step in self.steps)
 
-    def record(self, direction: str, peer: str, msg: Message, id: int = 0) -> None:
+    def record(self, direction: str, peer: str, msg: Message) -> None:
         if not self.active:
             return
-        kind = "reply" if direction == "reply" else "error" if direction == "error" else "call"
-        frames = self._codec.encode(kind, msg, id, peer)
-        meta = msgspec.msgpack.encode(RecordMeta(t=time.time(), step=self.step,
-                                                 direction=direction, peer=peer))
-        parts = [meta, *frames]
-        out = [_U32.pack(len(parts))]
-        for frame in parts:
-            data = bytes(frame)
-            out += [_U32.pack(len(data)), data]
-        if self._file is None:
-            self._file = open(self.path, "ab")
-        self._file.write(b"".join(out))
-        self._file.flush()
+        self._journal.append(RecordMeta(t=time.time(), step=self.step, direction=direction,
+                                        peer=peer))
+        self._journal.append(msg)
         self.records += 1
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._journal.close()
 
 
 class TornRecord(ValueError):
@@ -103,24 +83,15 @@ class TornRecord(ValueError):
 
 def read_records(path: str | Path) -> Iterator[Record]:
     """Every complete record of a `.mlw` file, in order; a torn last record raises TornRecord
-    after the complete ones were yielded."""
-    codec = Codec()
-    meta_decoder = msgspec.msgpack.Decoder(RecordMeta)
-    data = Path(path).read_bytes()
-    pos, n = 0, len(data)
-
-    def take(size: int) -> bytes:
-        nonlocal pos
-        if pos + size > n:
-            raise TornRecord(f"{path}: the file ends inside a record at byte {pos} "
-                             f"(needed {size} more bytes, {n - pos} left)")
-        out = data[pos:pos + size]
-        pos += size
-        return out
-
-    while pos < n:
-        (count,) = _U32.unpack(take(4))
-        frames = [take(_U32.unpack(take(4))[0]) for _ in range(count)]
-        meta = meta_decoder.decode(frames[0])
-        header, msg = codec.decode(frames[1:])
-        yield Record(meta=meta, header=header, msg=msg)
+    after the complete ones were yielded (the file is left as it is)."""
+    journal = Journal(path)
+    messages = journal.read(cut_torn_tail=False)
+    for meta, msg in zip(messages[::2], messages[1::2]):
+        if not isinstance(meta, RecordMeta):
+            raise ValueError(f"{path}: not a flight recording (found {type(meta).__name__} "
+                             f"where a RecordMeta belongs)")
+        yield Record(meta=meta, msg=msg)
+    if journal.torn_at is not None or len(messages) % 2:
+        where = journal.torn_at if journal.torn_at is not None else "its last message"
+        raise TornRecord(f"{path}: the file ends inside a record (at byte {where}): the run was "
+                         f"killed while writing it")

@@ -268,7 +268,7 @@ def journal_state(out_dir: Path) -> dict | None:
     if not path.exists():
         return None
     from miles.actors.buffer import Buffer
-    from miles.actors.journal import Journal
+    from miles.wire.journal import Journal
 
     buffer = Buffer()
     for rec in Journal(path).read():

@@ -13,7 +13,7 @@ import pytest
 
 from miles.actors.base import Registry, Runtime
 from miles.actors.buffer import Buffer
-from miles.actors.journal import Journal
+from miles.wire.journal import Journal
 from miles.config import load_recipe, recipe_to_json
 from miles.rl.sources import with_default_actors
 from miles.wire.messages import (ConfirmBatch, GetBatch, GetRolloutResume, Group, NoteRolloutStart,

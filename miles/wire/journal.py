@@ -1,4 +1,5 @@
-"""An append-only journal of wire messages in a file: what a stateful actor needs to come back.
+"""An append-only file of wire messages: the buffer's journal (what a restarted buffer needs to
+come back) and the flight recorder's `.mlw` files (`miles/wire/recorder.py`) both use it.
 
 Design decisions:
 - A record is one `Message` encoded by the wire codec (`miles.wire.codec.Codec`: msgpack body,
@@ -33,6 +34,7 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.codec = Codec()
         self.records = 0            # appended since the last rewrite
+        self.torn_at: int | None = None
         self._fd: int | None = None
 
     def _encode(self, msg: Message) -> bytes:
@@ -43,8 +45,11 @@ class Journal:
         blob = b"".join(parts)
         return _HEAD.pack(len(blob), zlib.crc32(blob)) + blob
 
-    def read(self) -> list[Message]:
-        """Every whole record, oldest first; a torn tail (killed mid-write) is cut off."""
+    def read(self, cut_torn_tail: bool = True) -> list[Message]:
+        """Every whole record, oldest first. A torn tail (killed mid-write) is cut off the file,
+        or with `cut_torn_tail=False` left there (a reader of a recording changes nothing);
+        `torn_at` is the byte offset where it starts, None when there is none."""
+        self.torn_at = None
         if not self.path.exists():
             return []
         data = memoryview(self.path.read_bytes())
@@ -63,8 +68,10 @@ class Journal:
             out.append(self.codec.decode(frames)[1])
             pos += _HEAD.size + n
         if pos < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(pos)
+            self.torn_at = pos
+            if cut_torn_tail:
+                with open(self.path, "r+b") as f:
+                    f.truncate(pos)
         return out
 
     def append(self, msg: Message) -> None:
