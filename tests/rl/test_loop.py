@@ -61,14 +61,17 @@ def records(out, kind):
 
 def test_quickstart_learns(tmp_path):
     """The README's main job, shortened: held-out reward goes up, every step publishes a version."""
-    code, log, out = run_recipe(tmp_path, "qs", ["loop.num_steps=24", "loop.eval_every=0",
+    # 60 steps, the better of the evaluations at 40 and 60: one point of the held-out curve is
+    # noisy early (measured 0.48-0.59 at step 40 over runs, 0.37 at step 10 from 0.41 at 0);
+    # the quickstart reaches ~0.75 at 150
+    code, log, out = run_recipe(tmp_path, "qs", ["loop.num_steps=60", "loop.eval_every=20",
                                                  "loop.save_every=0"])
     assert code == 0, log[-3000:]
     evals = records(out, "eval")
-    assert [e["step"] for e in evals] == [0, 24]
-    assert evals[-1]["eval/reward"] >= evals[0]["eval/reward"] + 0.1, evals
+    assert [e["step"] for e in evals] == [0, 20, 40, 60]
+    assert max(e["eval/reward"] for e in evals[-2:]) >= evals[0]["eval/reward"] + 0.1, evals
     train = records(out, "train")
-    assert [r["step"] for r in train] == list(range(1, 25))
+    assert [r["step"] for r in train] == list(range(1, 61))
     assert all(r["version"] == r["step"] + 1 for r in train)      # the warm-start published version 1
     assert all(r["batch/staleness_avg"] <= 2 for r in train)       # loop.max_staleness
     assert (out / "reward_curve.png").stat().st_size > 1000
