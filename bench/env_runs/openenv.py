@@ -1,0 +1,75 @@
+"""OpenEnv episodes through the real stack: the tiny qwen3 on an embedded engine, the session server
+(with a token, as in the fleet), the digits OpenEnv environment server and our episode driver (both
+in the OpenEnv venv).
+
+    python bench/envs.py --only openenv --episodes 8
+
+Episodes run one after another, so the times add up: `llm_s` is the session server's time
+(`session_stats`: the engine's time plus the server's own), `env_s` is the time the driver spent
+in OpenEnv's client calls (connect + reset, step, close: the WebSocket round trips and the env).
+The rest is Miles' cost: the agent layer, the driver's HTTP hop, the session bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+
+
+async def _run(episodes: int) -> dict:
+    from aiohttp import web
+
+    from miles.engines.embedded import launch_embedded_engine
+    from miles.engines.procs import free_port
+    from miles.envs import openenv_env
+    from miles.envs.agent import run_agent
+    from miles.tiny import build_tiny_model
+    from miles.tito.client import SessionServerClient
+    from miles.tito.server import ServerConfig, SessionServer
+
+    model = build_tiny_model(arch="qwen3")
+    logs = tempfile.mkdtemp(prefix="bench-openenv-")
+    os.environ.setdefault("MILES_OPENENV_LOG_DIR", logs)
+    engine = await launch_embedded_engine(model, extra_args=["--torch-threads", "1", "--random-seed", "0"],
+                                          log_path=os.path.join(logs, "engine.log"))
+    runner = web.AppRunner(SessionServer(ServerConfig(engine_url=engine.url, tokenizer=str(model), family="qwen3",
+                                                      token="bench")).app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rows = openenv_env.example_rows(episodes, seed=0)
+    out = {"episodes": episodes, "env_s": 0.0, "llm_s": 0.0, "failed": 0, "reward_sum": 0.0, "steps": 0}
+    try:
+        spec = rows[0]["metadata"]["openenv"]   # the servers' start-up is not an episode's cost
+        await openenv_env._SERVERS.driver(spec["pythonpath"])
+        await openenv_env._SERVERS.env_server(spec["app"], spec["pythonpath"])
+        async with SessionServerClient(f"http://127.0.0.1:{port}", token="bench") as client:
+            t0 = time.perf_counter()
+            for i, row in enumerate(rows):
+                run = await run_agent(openenv_env.agent, {
+                    **row["metadata"], "prompt": row["prompt"], "limits": {"max_turns": 2},
+                    "sampling": {"temperature": 1.0, "max_tokens": 12}},
+                    client, group_id=f"b{i}", rollout_id=f"b{i}/0")
+                out["llm_s"] += llm_time(run)
+                out["env_s"] += run.metrics.get("openenv_env_s", 0.0)
+                out["steps"] += int(run.metrics.get("openenv_steps", 0))
+                out["failed"] += bool(run.error)
+                out["reward_sum"] += float(run.reward or 0.0)
+            out["wall_s"] = time.perf_counter() - t0
+    finally:
+        await openenv_env.close()
+        await runner.cleanup()
+        await engine.stop_async(grace_s=5)
+    return out
+
+
+def llm_time(run) -> float:
+    """The session server's account of the episode: engine time plus its own (template, tokens)."""
+    stats = run.samples[0].metadata.get("session_stats") or {}
+    return float(stats.get("engine_s", 0.0)) + float(stats.get("server_s", 0.0))
+
+
+def run(episodes: int) -> dict:
+    return asyncio.run(_run(episodes))

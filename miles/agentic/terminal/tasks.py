@@ -1,0 +1,231 @@
+"""The terminal task set: seeded Harbor-layout task directories, and the rows a recipe trains on.
+
+    [data]
+    task = "miles.agentic.terminal.tasks:terminal_tasks"     # 48 tasks, a quarter held out
+
+    generate(out_dir, seed=0, n=48)  -> [TaskRecord]: writes out_dir/<name>/ in Harbor layout
+    terminal_tasks(seed, test_frac)  -> {"train", "test", "sft"} rows (the `data.task` contract)
+    ensure_task(metadata)            -> the row's task directory, rewritten if this node lacks it
+
+Each task directory:
+
+    task.toml          [agent]/[verifier] timeouts, [environment] workdir, no network, 1 cpu
+    instruction.md     the prompt
+    environment/       Dockerfile (`WORKDIR /workspace`, `COPY workspace/ /workspace/`) + files
+    tests/test.sh      the hidden checks; writes /logs/verifier/reward.txt (1 or 0)
+    solution/solve.sh  the oracle's commands
+
+Design decisions:
+- Task `i` of seed `s` depends only on (s, i): its family is `FAMILIES[i % len]` (every family
+  appears n / 15 times), its parameters come from `Random(f"...{s}-{i}")`. So any node can rewrite
+  any task from the row's metadata (`ensure_task`), and n = 48 and n = 96 share their first 48.
+- The rows carry the environment's files as `metadata["files"]` (what the episode runner writes
+  into each fresh sandbox) and the task directory (what the verifier reads its hidden tests from,
+  through `miles.sandboxes.harbor`). The Dockerfile copies the same files, so a Harbor runner that
+  builds environment/ gets the same tree: a test checks both paths.
+- The split is by task (seeded shuffle): a held-out task's names, numbers and files are never seen
+  in training, and most of its family's siblings are.
+- `terminal_tasks_compact` sends no tool schemas (as `find_file` does): a tiny model learns the two
+  tools in the warm-start and each prompt is ~5x shorter, which is what a CPU run pays for.
+- The SFT rows are the oracle's transcripts of the train tasks (bash with solve.sh's commands, then
+  submit), rendered through the session family's template with the tool schemas, one row per
+  assistant turn, as `miles.rl.tasks.sft_rows` does for `find_file`.
+- Directories are written to a temporary name and renamed: a reader never sees half a task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles.agentic.terminal.families import FAMILIES, WORK, TaskParts
+
+VERSION = "1"
+N_TASKS = 48
+TOOLS = ["bash", "submit"]
+SYSTEM = ("You are working in a Linux shell. Run commands with the bash tool (the working directory "
+          "is /workspace). When the task is done, call submit with a one-line summary.")
+AGENT_TIMEOUT_S = 120.0
+VERIFIER_TIMEOUT_S = 30.0
+
+TEST_HEAD = """#!/bin/bash
+# Hidden verifier of {name} ({family}): reward 1 when every check passes, else 0.
+mkdir -p /logs/verifier
+echo 0 > /logs/verifier/reward.txt
+fail() {{ echo "FAIL: $*"; exit 0; }}
+# same FILE <<EOF: the file's text is stdin's (trailing newlines aside)
+same() {{
+  [ -f "$1" ] || fail "$1 is missing"
+  want=$(cat); got=$(cat "$1")
+  [ "$got" = "$want" ] || fail "$1: got '${{got:0:200}}'"
+}}
+# same_word FILE WORD: the file holds WORD (whitespace aside)
+same_word() {{
+  [ -f "$1" ] || fail "$1 is missing"
+  got=$(tr -d '[:space:]' < "$1")
+  [ "$got" = "$2" ] || fail "$1: got '${{got:0:200}}', want '$2'"
+}}
+"""
+TEST_TAIL = "echo PASS\necho 1 > /logs/verifier/reward.txt\n"
+DOCKERFILE = "FROM ubuntu:24.04\nWORKDIR /workspace\nCOPY workspace/ /workspace/\n"
+
+
+@dataclass
+class TaskRecord:
+    name: str
+    path: str
+    index: int
+    seed: int
+    parts: TaskParts
+
+
+def default_root(seed: int) -> Path:
+    """Where `terminal_tasks` writes its directories: $MILES_TERMINAL_TASKS, else the miles cache."""
+    from miles.tiny import default_cache_dir
+    base = os.environ.get("MILES_TERMINAL_TASKS")
+    return (Path(base) if base else default_cache_dir() / "terminal-tasks") / f"v{VERSION}-seed{seed}"
+
+
+def make_parts(seed: int, index: int) -> TaskParts:
+    family = FAMILIES[index % len(FAMILIES)]
+    parts = family(random.Random(f"miles-terminal-{VERSION}-{seed}-{index}"))
+    outside = [p for p in parts.files if not p.startswith(WORK + "/")]
+    if outside:
+        raise ValueError(f"family {parts.family}: files {outside} are outside {WORK}")
+    return parts
+
+
+def task_name(parts: TaskParts, index: int) -> str:
+    return f"{parts.family}-{index:03d}"
+
+
+def task_files(parts: TaskParts, name: str, seed: int, index: int) -> dict[str, str]:
+    """The task directory's files, {relative path: text}."""
+    toml = "\n".join([
+        'version = "1.0"', "", "[metadata]", 'author_name = "miles.agentic.terminal"',
+        f'category = "{parts.family}"', f"tags = {json.dumps(parts.tags)}",
+        f"generator_seed = {seed}", f"generator_index = {index}", "", "[agent]",
+        f"timeout_sec = {AGENT_TIMEOUT_S}", "", "[verifier]", f"timeout_sec = {VERIFIER_TIMEOUT_S}", "",
+        "[environment]", f'workdir = "{WORK}"', 'network_mode = "no-network"', "cpus = 1",
+        "memory_mb = 512", "storage_mb = 1024", "build_timeout_sec = 120.0", ""])
+    out = {"task.toml": toml, "instruction.md": parts.instruction + "\n",
+           "environment/Dockerfile": DOCKERFILE,
+           "tests/test.sh": TEST_HEAD.format(name=name, family=parts.family) + "\n".join(parts.checks)
+           + "\n" + TEST_TAIL,
+           "solution/solve.sh": "#!/bin/bash\n" + parts.solve + "\n"}
+    for path, text in parts.files.items():
+        out["environment/workspace/" + path.removeprefix(WORK + "/")] = text
+    return out
+
+
+def write_task(root: str | Path, seed: int, index: int) -> TaskRecord:
+    """Write task `index` of `seed` under root (kept if already there with the same content)."""
+    parts = make_parts(seed, index)
+    name = task_name(parts, index)
+    files = task_files(parts, name, seed, index)
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    target = Path(root) / name
+    stamp = target / ".miles-digest"
+    if not (stamp.is_file() and stamp.read_text() == digest):
+        tmp = Path(root) / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for rel, text in files.items():
+            p = tmp / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+            os.chmod(p, 0o755 if rel.endswith(".sh") and "/workspace/" not in rel else 0o644)
+        (tmp / ".miles-digest").write_text(digest)
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:   # another process wrote the same task first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    return TaskRecord(name, str(target), index, seed, parts)
+
+
+def generate(out_dir: str | Path, seed: int = 0, n: int = N_TASKS) -> list[TaskRecord]:
+    if n < 1:
+        raise ValueError(f"n={n}: expected at least one task")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return [write_task(out_dir, seed, i) for i in range(n)]
+
+
+def row(rec: TaskRecord, declare_tools: bool = True) -> dict:
+    return {"prompt": rec.parts.instruction, "label": rec.name, "metadata": {
+        "task_dir": rec.path, "task_name": rec.name, "family": rec.parts.family, "task_seed": rec.seed,
+        "task_index": rec.index, "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
+        "declare_tools": declare_tools}}
+
+
+def ensure_task(metadata: dict) -> str:
+    """The task directory of a row; written again (from seed and index) where it is missing."""
+    for key in ("task_dir", "task_seed", "task_index"):
+        if key not in metadata:
+            raise ValueError(f"metadata[{key!r}] is missing: not a terminal task row "
+                             f"(keys: {sorted(metadata)})")
+    path = Path(metadata["task_dir"])
+    if not (path / "task.toml").is_file():
+        write_task(path.parent, int(metadata["task_seed"]), int(metadata["task_index"]))
+    return str(path)
+
+
+def oracle_command(task_dir: str | Path) -> str:
+    """What the oracle sends to the bash tool: solution/solve.sh's commands (POSIX sh)."""
+    lines = (Path(task_dir) / "solution" / "solve.sh").read_text().splitlines()
+    return "\n".join(line for line in lines if not line.startswith("#!"))
+
+
+def transcript(r: dict) -> list[dict]:
+    """The oracle's episode of a row as OpenAI messages (its commands print nothing)."""
+    def call(i: int, name: str, args: dict) -> dict:
+        return {"role": "assistant", "content": None, "tool_calls": [{
+            "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
+    return [{"role": "system", "content": r["metadata"]["system"]}, {"role": "user", "content": r["prompt"]},
+            call(0, "bash", {"command": oracle_command(r["metadata"]["task_dir"])}),
+            {"role": "tool", "tool_call_id": "call_0", "content": ""},
+            call(1, "submit", {"answer": "done"})]
+
+
+def sft_rows(rows: list[dict], family: str = "qwen3") -> list[dict]:
+    from miles.envs.tool_agent import tool_specs
+    from miles.tito.families import get_family
+    from miles.tito.messages import parse_openai_messages, parse_openai_tools
+
+    fam = get_family(family)
+    out = []
+    for r in rows:
+        tools = parse_openai_tools(tool_specs(TOOLS)) if r["metadata"].get("declare_tools", True) else None
+        messages = parse_openai_messages(transcript(r))
+        for k, m in enumerate(messages):
+            if m.role == "assistant":
+                label = fam.generation_text(m)
+                out.append({"prompt": fam.render(messages[:k], tools, 0, True),
+                            "label": label[: -len(fam.end_of_turn)]})
+    return out
+
+
+def terminal_tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS,
+                   out_dir: str | Path | None = None, declare_tools: bool = True) -> dict[str, list[dict]]:
+    """The `data.task` function: train / held-out rows by task, and the oracle's SFT transcripts.
+    `declare_tools=False` sends no tool schemas (each row's `metadata["declare_tools"]`)."""
+    if not 0.0 < test_frac < 1.0:
+        raise ValueError(f"test_frac={test_frac}: expected a fraction in (0, 1)")
+    records = generate(out_dir or default_root(seed), seed, n)
+    rows = [row(r, declare_tools) for r in records]
+    random.Random(f"split-{seed}").shuffle(rows)
+    n_test = max(1, int(round(len(rows) * test_frac)))
+    train, test = rows[n_test:], rows[:n_test]
+    sft = sft_rows(train)
+    random.Random(seed).shuffle(sft)
+    return {"train": train, "test": test, "sft": sft}
+
+
+def terminal_tasks_compact(seed: int = 0, test_frac: float = 0.25) -> dict[str, list[dict]]:
+    """The same tasks without tool schemas in the prompt (~150 instead of ~800 tokens with the tiny
+    tokenizer): for a model that learns its two tools in the warm-start (the CPU recipe)."""
+    return terminal_tasks(seed, test_frac, declare_tools=False)

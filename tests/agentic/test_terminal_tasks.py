@@ -1,0 +1,180 @@
+"""The terminal task set: Harbor-layout directories the loader reads, seeded and split by task, and
+every task validated as Terminal-Bench validates its own: the oracle scores 1.0 and the null agent
+0.0, on a fresh sandbox made the way the episode runner makes it (the `[sandbox]` section, the
+row's files, `LazySandbox`), the verifier uploading the hidden tests only after the agent is done.
+A sample runs in CI; every task runs under `slow`; a sample also runs through Harbor's own path
+(environment/Dockerfile replayed into a template) on both host backends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from miles.agentic.terminal import agent as term
+from miles.agentic.terminal.families import FAMILIES, WORK
+from miles.agentic.terminal.tasks import N_TASKS, ensure_task, generate, terminal_tasks
+from miles.envs.context import EpisodeStats, LazySandbox, sandbox_spec
+from miles.rl.config import SandboxConfig
+from miles.sandboxes import SandboxPool, get_backend
+from miles.sandboxes.harbor import load_task, run_verifier, task_spec
+from miles.sandboxes.hostfs import default_base_dir
+
+pytestmark = pytest.mark.timeout(240)
+LABELS = {"miles.test": "terminal-tasks"}
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory):
+    return terminal_tasks(seed=0, test_frac=0.25, out_dir=tmp_path_factory.mktemp("terminal-tasks"))
+
+
+def all_rows(splits):
+    return splits["train"] + splits["test"]
+
+
+@pytest.fixture
+def base_dir():
+    # Not pytest's tmp_path: its parents are 0700 and sandboxes run under their own uid.
+    path = tempfile.mkdtemp(prefix="miles-term-test-", dir=os.path.dirname(default_base_dir()))
+    os.chmod(path, 0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_tasks_are_harbor_dirs_seeded_and_split_by_task(splits, tmp_path):
+    rows = all_rows(splits)
+    assert len(rows) == N_TASKS >= 40
+    families = {r["metadata"]["family"] for r in rows}
+    assert len(families) == len(FAMILIES) >= 12
+    names = [r["metadata"]["task_name"] for r in rows]
+    assert len(set(names)) == len(names)
+    assert len(splits["test"]) == 12 and not {r["label"] for r in splits["test"]} & {r["label"] for r in splits["train"]}
+    assert len({r["metadata"]["family"] for r in splits["test"]}) >= 8   # the held-out split is varied
+    for r in rows:
+        task = load_task(r["metadata"]["task_dir"])
+        assert task.name == r["metadata"]["task_name"] and task.instruction.strip() == r["prompt"]
+        assert (task.workdir, task.network, task.verifier_timeout_s, task.agent_timeout_s) == (WORK, False, 30.0, 120.0)
+        assert task.dockerfile and os.path.isfile(os.path.join(task.path, "solution", "solve.sh"))
+        env = Path(task.path) / "environment" / "workspace"
+        on_disk = {f"{WORK}/{p.relative_to(env)}": p.read_text() for p in env.rglob("*") if p.is_file()}
+        assert on_disk == r["metadata"]["files"]   # what the Dockerfile copies = what episodes get
+        tests = task.test_files()["test.sh"].decode()
+        assert "/logs/verifier/reward.txt" in tests and tests not in r["prompt"]
+    # the same seed writes the same tasks; another seed other ones
+    again = generate(tmp_path / "again", seed=0, n=N_TASKS)
+    assert [(t.name, t.parts.files, t.parts.checks) for t in again] == \
+        [(t.name, t.parts.files, t.parts.checks) for t in generate(tmp_path / "again2", seed=0, n=N_TASKS)]
+    other = generate(tmp_path / "other", seed=1, n=N_TASKS)
+    assert sum((a.parts.files, a.parts.instruction) != (b.parts.files, b.parts.instruction)
+               for a, b in zip(again, other)) == N_TASKS
+    # instructions differ within a family: seeded names and numbers, not one template
+    by_family = {}
+    for r in rows:
+        by_family.setdefault(r["metadata"]["family"], set()).add(r["prompt"])
+    assert all(len(p) >= 3 for p in by_family.values()), {f: len(p) for f, p in by_family.items()}
+
+
+def test_sft_rows_are_the_oracle_transcripts(splits):
+    sft = splits["sft"]
+    assert len(sft) == 2 * len(splits["train"])          # the bash call, then submit
+    bash = [r for r in sft if '"name": "bash"' in r["label"]]
+    assert len(bash) == len(splits["train"])
+    assert all(r["label"].startswith("<tool_call>") and "<|im_start|>system" in r["prompt"] for r in sft)
+
+
+def test_a_missing_task_dir_is_rewritten_and_bad_rows_are_refused(splits, tmp_path):
+    r = splits["test"][0]
+    meta = {**r["metadata"], "task_dir": str(tmp_path / "elsewhere" / r["metadata"]["task_name"])}
+    path = ensure_task(meta)
+    assert load_task(path).instruction == load_task(r["metadata"]["task_dir"]).instruction
+    with pytest.raises(ValueError, match="metadata\\['task_seed'\\] is missing"):
+        ensure_task({"task_dir": path, "task_index": 0})
+    with pytest.raises(ValueError, match="test_frac=1.5"):
+        terminal_tasks(seed=0, test_frac=1.5, out_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match="who='someone'"):
+        asyncio.run(term.check_task(None, r["metadata"], who="someone"))
+
+
+async def check_rows(rows, backend_name: str, base_dir: str) -> list[tuple]:
+    """(task, agent, reward, verifier output) of every row and agent that scored wrong."""
+    pool = SandboxPool(get_backend(backend_name, base_dir=base_dir), max_concurrent=4, run_id="term-test")
+    cfg = SandboxConfig(backend=backend_name)
+    wrong = []
+    try:
+        for r in rows:
+            m = r["metadata"]
+            for who, want in (("oracle", 1.0), ("null", 0.0)):
+                sandbox = LazySandbox(pool, sandbox_spec(cfg, m, {}), m["files"], EpisodeStats(), 10.0)
+                try:
+                    reward, output = await term.check_task(sandbox, m, who)
+                finally:
+                    await sandbox.destroy()
+                if reward != want:
+                    wrong.append((m["task_name"], who, reward, output[-300:]))
+        assert pool.stats.live == 0 and pool.stats.created == pool.stats.destroyed == 2 * len(rows)
+    finally:
+        await pool.close()
+        left = await pool.sweep()
+        await pool.backend.close()
+    assert left == 0, f"{left} sandboxes outlived the check"
+    return wrong
+
+
+def sample(splits, k: int = 6) -> list[dict]:
+    """k tasks of k different families, from both splits."""
+    seen, out = set(), []
+    for r in splits["test"][:3] + splits["train"]:
+        if r["metadata"]["family"] not in seen and len(out) < k:
+            seen.add(r["metadata"]["family"])
+            out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("backend_name", ["subprocess", "bwrap"])
+async def test_oracle_scores_one_and_null_zero_on_a_sample(splits, base_dir, backend_name):
+    if backend_name == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bwrap is not installed")
+    assert await check_rows(sample(splits), backend_name, base_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_oracle_scores_one_and_null_zero_on_every_task(splits, base_dir):
+    assert await check_rows(all_rows(splits), "subprocess", base_dir) == []
+
+
+@pytest.mark.parametrize("backend_name", ["subprocess", "bwrap"])
+async def test_harbor_path_builds_the_environment_and_verifies(splits, base_dir, backend_name):
+    """Harbor's own way: task_spec -> environment/Dockerfile replayed into a template; the tree
+    the agent starts in holds exactly the row's files; the oracle passes; an agent that reads
+    /tests during the episode finds nothing, and one that forges the reward scores 0."""
+    if backend_name == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bwrap is not installed")
+    backend = get_backend(backend_name, base_dir=base_dir)
+    try:
+        for r in sample(splits, 3):
+            m = r["metadata"]
+            task = load_task(m["task_dir"])
+            async with await backend.create(task_spec(task, labels=LABELS)) as sb:
+                assert sb.workdir == WORK
+                listing = await sb.exec(f"find {WORK} -type f | LC_ALL=C sort")
+                assert listing.stdout.split() == sorted(m["files"]), listing
+                for path, text in m["files"].items():
+                    assert (await sb.download(path)).decode() == text
+                assert (await sb.exec("ls /tests /solution")).exit_code != 0   # hidden from the agent
+                await term.oracle(sb, m)
+                result = await run_verifier(sb, task)
+                assert (result.status, result.reward) == ("ok", 1.0), result
+            async with await backend.create(task_spec(task, labels=LABELS)) as sb:
+                await sb.exec("mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt")
+                result = await run_verifier(sb, task)
+                assert (result.status, result.reward) == ("ok", 0.0), result
+                assert "FAIL" in result.output
+    finally:
+        assert await backend.sweep(LABELS) == 0
+        await backend.close()

@@ -1,0 +1,1 @@
+"""A small OpenEnv environment for the Miles tests (see ../README.md)."""

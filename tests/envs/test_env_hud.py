@@ -1,0 +1,216 @@
+"""HUD through `rollout.agent`: a HUD env template (tests/envs/hud_envs) on HUD's `LocalRuntime`,
+HUD's own `OpenAIChatAgent` driving it against the episode's TITO session, HUD's grade as the
+reward; nothing reaches HUD's platform.
+
+The fast tests use the scripted engine (exact answers, so exact rewards) behind the real session
+server; the slow one is a real `miles run` of recipes/envs/hud.toml with the tiny model, with
+every HUD platform URL pointed at a local recorder that must stay empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.envs import hud_env
+from miles.envs.agent import run_agent
+from miles.tito.client import SessionServerClient
+
+ROOT = Path(__file__).resolve().parents[2]
+HUD_URL_VARS = ("HUD_API_URL", "HUD_TELEMETRY_URL", "HUD_WEB_URL", "HUD_GATEWAY_URL", "HUD_RUNTIME_URL",
+                "HUD_RL_URL")
+
+aio = pytest.mark.asyncio(loop_scope="module")
+
+
+def score(answer: str, digits: str) -> float:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("miles_digits_hud_env", hud_env.EXAMPLE_ENV)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.score(answer, digits)
+
+
+class Recorder:
+    """A local HTTP server standing in for every HUD platform URL: what reaches it is a phone-home."""
+
+    def __init__(self) -> None:
+        hits = self.hits = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self):
+                hits.append((self.command, self.path))
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+            do_GET = do_POST = do_PUT = _any
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every outgoing connection of this process that is not to loopback is recorded and refused."""
+    attempts = []
+    real = socket.socket.connect
+
+    def connect(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if self.family in (socket.AF_INET, socket.AF_INET6) and host not in ("127.0.0.1", "::1", "localhost"):
+            attempts.append(address)
+            raise ConnectionRefusedError(f"test: no network ({address})")
+        return real(self, address)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    return attempts
+
+
+def task_of(row: dict, sampling: dict | None = None, **limits) -> dict:
+    return {**row["metadata"], "prompt": row["prompt"], "label": row["label"],
+            "limits": {"max_turns": 2, "episode_timeout_s": 120.0, **limits},
+            "sampling": {"temperature": 0.0, "max_tokens": 16, **(sampling or {})}}
+
+
+async def episode(url: str, row: dict, rollout_id: str, sampling: dict | None = None, **limits):
+    async with SessionServerClient(url) as client:
+        return await run_agent(hud_env.agent, task_of(row, sampling, **limits), client, group_id="g",
+                               rollout_id=rollout_id)
+
+
+@aio
+async def test_check_spec_names_the_bad_key():
+    with pytest.raises(hud_env.HudError, match=r"metadata.hud.template: expected a non-empty string"):
+        hud_env.check_spec({"env": "e.py"})
+    with pytest.raises(hud_env.HudError, match=r"unknown keys \['tmpl'\]"):
+        hud_env.check_spec({"env": "e.py", "template": "t", "tmpl": 1})
+    with pytest.raises(hud_env.HudError, match="metadata.hud.args"):
+        hud_env.check_spec({"env": "e.py", "template": "t", "args": [1]})
+    with pytest.raises(hud_env.HudError, match="no such file"):
+        hud_env.load_task({"env": "nowhere/env.py", "template": "t"})
+    with pytest.raises(hud_env.HudError, match=r"'nope' is not a template .* it has \['say_digits'\]"):
+        hud_env.load_task({"env": str(hud_env.EXAMPLE_ENV), "template": "nope"})
+
+
+@aio
+async def test_episodes_get_hud_grades_and_nothing_phones_home(scripted, no_network):
+    """8 HUD rollouts, answers exact, half-right and wrong: each reward is HUD's grade of the
+    answer; with telemetry on and an API key set beforehand (every platform URL at a local
+    recorder), nothing reaches the recorder and no non-loopback connection is tried."""
+    from hud.settings import settings
+    engine, url = scripted
+    recorder = Recorder()
+    for var in HUD_URL_VARS:
+        setattr(settings, var.lower(), recorder.url)
+    settings.api_key, settings.telemetry_enabled = "sk-test-not-a-key", True
+    try:
+        rows = hud_env.example_rows(8, seed=5)
+        answers = []
+        for i, row in enumerate(rows):
+            digits = row["label"]
+            answers.append([digits, f"{digits.split()[0]} and nothing", "no digits"][i % 3])
+        for i, (row, answer) in enumerate(zip(rows, answers)):
+            engine.replies[:] = [answer]
+            run = await episode(url, row, f"hud-{i}")
+            assert not run.error, run.error
+            assert run.reward == pytest.approx(score(answer, row["label"])), (answer, run.reward)
+            out = run.samples[0].metadata["agent"]
+            assert out["answer"] == answer and out["stop_reason"] == "done"
+            assert out["messages"] == [{"role": "user", "content": row["prompt"]},
+                                       {"role": "assistant", "content": answer}]
+            assert run.samples[0].status == "completed" and run.samples[0].response_length > 0
+        assert sorted({round(r, 3) for r in (score(a, r["label"]) for a, r in zip(answers, rows))}) == [0.0, 0.333, 1.0]
+    finally:
+        recorder.close()
+    assert recorder.hits == [], recorder.hits
+    assert no_network == [], no_network
+    assert not settings.telemetry_enabled and settings.api_key is None
+
+
+@aio
+async def test_concurrent_episodes_run_at_once(scripted):
+    """LocalRuntime(path) loads a fresh env per episode: 4 rollouts with a slow model overlap."""
+    engine, url = scripted
+    rows = hud_env.example_rows(4, seed=9)
+    engine.replies[:] = [r["label"] for r in rows]
+
+    t0 = time.monotonic()
+    runs = await asyncio.gather(*(episode(url, r, f"hud-c{i}") for i, r in enumerate(rows)))
+    wall = time.monotonic() - t0
+    assert all(not r.error for r in runs), [r.error for r in runs]
+    assert sorted(r.reward for r in runs) == sorted(score(r.samples[0].metadata["agent"]["answer"], row["label"])
+                                                    for r, row in zip(runs, rows))
+    starts = sorted(r.samples[0].metadata["agent_time_s"] for r in runs)
+    assert wall < sum(starts), (wall, starts)   # not one after another
+
+
+@pytest.mark.parametrize("case", ["template_raises", "grading_raises", "model_call_fails"])
+@aio
+async def test_a_failing_hud_rollout_fails_the_sample_not_the_run(scripted, case):
+    engine, url = scripted
+    args = {"template_raises": {"fail": "start"}, "grading_raises": {"fail": "grade"}, "model_call_fails": {}}[case]
+    row = hud_env.example_rows(1, seed=2)[0]
+    row["metadata"]["hud"]["args"].update(args)
+    engine.replies[:] = ["1 2 3"]
+    # the session server refuses the request (400 naming the field): the agent's model call fails
+    run = await episode(url, row, f"hud-{case}", sampling={"temperature": -1.0} if case == "model_call_fails" else None)
+    want = {"template_raises": "start failed on purpose", "grading_raises": "grading failed on purpose",
+            "model_call_fails": "temperature"}[case]   # the session server names the field
+    assert want in run.error, run.error
+    for s in run.samples:
+        assert s.status == "failed" and want in s.metadata["agent_error"]
+    engine.replies[:] = [hud_env.example_rows(1, seed=2)[0]["label"]]
+    ok = await episode(url, hud_env.example_rows(1, seed=2)[0], f"hud-after-{case}")
+    assert not ok.error and ok.reward == 1.0
+
+
+def test_the_recipe_checks():
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "miles.cli", "check", str(ROOT / "recipes" / "envs" / "hud.toml")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "recipe OK" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_miles_run_of_the_hud_recipe(tmp_path):
+    """A real `miles run`: 16 HUD rollouts with the tiny model; every trained sample's reward is
+    HUD's grade of its answer, its tokens are what the conversation renders to, nothing is left
+    open, and nothing reached the (recorder-stood-in) HUD platform though a key was set."""
+    from test_env_openenv import check_trained_samples, run_recipe
+
+    recorder = Recorder()
+    env = {var: recorder.url for var in HUD_URL_VARS}
+    env.update(HUD_API_KEY="sk-test-not-a-key", HUD_TELEMETRY_ENABLED="true")
+    out = tmp_path / "hud-run"
+    try:
+        code, log, samples = run_recipe(ROOT / "recipes" / "envs" / "hud.toml", out, env, timeout_s=800)
+    finally:
+        recorder.close()
+    assert code == 0, log[-3000:]
+    assert len(samples) >= 16, len(samples)
+    for s in samples:
+        assert s.status in ("completed", "truncated"), (s.status, s.metadata.get("agent_error"))
+        answer = s.metadata["agent"]["answer"]
+        assert s.reward == pytest.approx(score(answer, s.metadata["hud"]["args"]["digits"])), (answer, s.reward)
+    assert any(s.reward > 0 for s in samples), [s.reward for s in samples]
+    check_trained_samples(samples, out)
+    assert recorder.hits == [], recorder.hits
+    closing = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
+               if "sessions of this run open" in line]
+    assert all("open: 0" in line for line in closing), closing
