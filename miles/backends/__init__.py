@@ -4,6 +4,7 @@
     backend = make_backend(cfg.backend)          # "fsdp" | "megatron"
     backend.init(cfg, RankInfo.from_env(), loss_cfg)
     metrics = backend.train(samples)             # the whole step batch, on every rank
+    metrics = backend.train(step.samples, index=step.index)  # or this rank's shard (loop.shard_batch)
     backend.train(samples, TrainPhase("sft", sft_loss, sft_cfg))  # another phase: its own optimizer
     backend.update_weights(transport, version)
     backend.save_model(path) / backend.load_model(path) / backend.save_model(path, hf=True)

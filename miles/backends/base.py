@@ -39,7 +39,7 @@ from typing import Any
 from miles.algo import LossConfig
 from miles.backends.config import TrainConfig
 from miles.weights.base import WeightTransport
-from miles.wire.messages import Sample
+from miles.wire.messages import BatchIndex, Sample
 
 Metrics = dict[str, float]
 
@@ -99,8 +99,13 @@ class TrainingBackend(ABC):
         """Join the trainer group, load `config.model_path`, shard it, build the optimizer."""
 
     @abstractmethod
-    def train(self, samples: Sequence[Sample], phase: TrainPhase | None = None) -> Metrics:
-        """Train on one batch (the whole batch, on every rank); return step metrics (same on all ranks).
+    def train(self, samples: Sequence[Sample], phase: TrainPhase | None = None,
+              index: BatchIndex | None = None) -> Metrics:
+        """Train on one batch; return step metrics (same on all ranks).
+
+        `index` None: `samples` is the whole batch, on every rank. Set: `samples` is this rank's
+        data-parallel share at `index.positions` of the batch the index describes (what the
+        driver sends, `miles.loop.shard_batch`); the result is the same as from the whole batch.
 
         `phase`: which objective, schedule and optimizer state (None: the main phase of `init`).
         Refuses a bad batch with ValueError naming the sample and field, before any optimizer step.

@@ -22,6 +22,7 @@ import msgspec
 BackendName = Literal["fsdp", "megatron"]
 DTypeName = Literal["bfloat16", "float16", "float32"]
 DecayStyle = Literal["constant", "linear", "cosine"]
+OptimizerOffload = Literal["none", "cpu", "nvme"]
 AttentionName = Literal["packed", "sdpa", "eager"]
 OldLogprobSource = Literal["auto", "recompute", "rollout"]
 
@@ -32,6 +33,65 @@ ATTENTIONS: tuple[str, ...] = AttentionName.__args__  # type: ignore[attr-define
 OLD_LOGPROB_SOURCES: tuple[str, ...] = OldLogprobSource.__args__  # type: ignore[attr-defined]
 
 
+RecomputeName = Literal["none", "selective", "full"]
+RECOMPUTES: tuple[str, ...] = RecomputeName.__args__  # type: ignore[attr-defined]
+
+
+class MegatronConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[train.megatron]`: the parallel layout and Megatron-only knobs (`train.backend = "megatron"`).
+
+    The trainer's world is tp x pp x cp x dp ranks (dp is what is left); experts are split over
+    `ep` ranks carved out of dp x cp, as megatron-core does. Rank order is megatron's default
+    (tp fastest, then cp, then dp, then pp): `trainer_dp_layout` gives each rank's DP index, which
+    is what the driver uses to send each rank only its share of the batch's routing (R3)."""
+
+    tp: int = 1                          # tensor parallel
+    pp: int = 1                          # pipeline parallel
+    cp: int = 1                          # context parallel
+    ep: int = 1                          # expert parallel
+    sequence_parallel: bool | None = None  # None: on exactly when tp > 1
+    distributed_optimizer: bool = True   # shard optimizer state (and fp32 main params) over DP
+    recompute: RecomputeName = "none"    # activation recompute: selective (core attention) or full
+    use_te: bool | None = None           # Transformer Engine layer spec; None: when importable
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep"):
+            _count(f"megatron.{name}", getattr(self, name), low=1)
+        _choice("megatron.recompute", self.recompute, RECOMPUTES)
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel(self, world_size: int) -> int:
+        """DP size for `world_size` trainer ranks; a layout that does not divide it is refused."""
+        if world_size % self.model_parallel:
+            raise ValueError(f"train.megatron: tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = "
+                             f"{self.model_parallel} does not divide the {world_size} trainer ranks")
+        dp = world_size // self.model_parallel
+        if (dp * self.cp) % self.ep:
+            raise ValueError(f"train.megatron.ep={self.ep} does not divide dp*cp = {dp}*{self.cp}")
+        return dp
+
+
+class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[train.lora]`: LoRA adapters on the policy (miles/backends/lora.py); only they train."""
+
+    rank: int = 8
+    alpha: float = 16.0                  # the update is scaled by alpha / rank
+    target_modules: list[str] = msgspec.field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _count("lora.rank", self.rank, low=1)
+        _number("lora.alpha", self.alpha, low=0.0, low_open=True)
+        _number("lora.dropout", self.dropout, low=0.0, high=0.99)
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ValueError(f"train.lora.target_modules={self.target_modules!r} must be a non-empty list "
+                             "of module names")
+
+
 class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How the trainer ranks run: model, precision, optimizer, schedule, batching, checkpoints."""
 
@@ -39,6 +99,17 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model_path: str = ""            # HF safetensors directory (config.json + *.safetensors)
     ref_model_path: str = ""        # frozen reference for the KL loss; "" = model_path
     use_ref_model: bool | None = None  # None: on exactly when the loss has a KL term
+
+    # --- PPO critic (algo.advantage_estimator = "ppo"; miles/backends/critic.py): its own AdamW and
+    # schedule (the policy's betas, eps, weight decay and clipping) ---
+    critic_model_path: str = ""     # the value model's backbone (HF directory); "" = model_path
+    critic_lr: float = 1e-5
+    critic_warmup_steps: int = 0
+    critic_lr_decay_style: DecayStyle = "constant"
+    critic_lr_decay_steps: int = 0
+    # --- on-policy distillation (algo.opd_kl_coef > 0; miles/backends/teacher.py) ---
+    teacher_model_path: str = ""    # frozen teacher scoring every response token (same tokenizer)
+    lora: LoraConfig | None = None  # [train.lora]: train LoRA adapters only; engines get merged weights
 
     # --- precision ---
     param_dtype: DTypeName = "bfloat16"   # compute dtype: forward/backward, exported weights
@@ -53,6 +124,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     adam_beta2: float = 0.98
     adam_eps: float = 1e-8
     grad_clip: float = 1.0                # max global grad norm; 0 = no clipping
+    # Adam moments streamed per bucket through the device from host memory ("cpu") or files
+    # under offload_dir ("nvme", node-local); miles/backends/optim_offload.py
+    optimizer_offload: OptimizerOffload = "none"
+    offload_dir: str = ""
     warmup_steps: int = 0
     lr_decay_style: DecayStyle = "constant"
     lr_decay_steps: int = 0               # optimizer steps from the start to min_lr; 0 = no decay
@@ -71,12 +146,16 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # --- model execution ---
     attention: AttentionName = "packed"    # packed: per-sample kernels; sdpa/eager: HF with a mask
     gradient_checkpointing: bool = False
+    router_replay: bool = False            # R3: replay the rollout's MoE routing (set from rollout.r3)
     compile: bool | None = None            # torch.compile norms, dense MLPs, rotary; None: on CUDA
     reshard_after_forward: bool | None = None  # None: only with several ranks (FSDP2's knob)
     seed: int = 1234
 
     # --- weights out ---
     update_bucket_bytes: int = 512 << 20   # bytes of full tensors per send_bucket call
+
+    # --- megatron (train.backend = "megatron"); FSDP ignores it ---
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
@@ -85,6 +164,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("lr_decay_style", self.lr_decay_style, DECAY_STYLES)
         _choice("attention", self.attention, ATTENTIONS)
         _choice("old_logprobs", self.old_logprobs, OLD_LOGPROB_SOURCES)
+        _choice("optimizer_offload", self.optimizer_offload, OptimizerOffload.__args__)  # type: ignore[attr-defined]
+        if self.optimizer_offload == "nvme" and not self.offload_dir:
+            raise ValueError("train.optimizer_offload='nvme' needs train.offload_dir (a directory on "
+                             "node-local NVMe); it is empty")
         _number("lr", self.lr, low=0.0)
         _number("min_lr", self.min_lr, low=0.0, high=self.lr)
         _number("weight_decay", self.weight_decay, low=0.0)
@@ -100,6 +183,14 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _count("logprob_chunk_bytes", self.logprob_chunk_bytes, low=1)
         _count("update_bucket_bytes", self.update_bucket_bytes, low=1)
         _count("seed", self.seed, low=0)
+        _number("critic_lr", self.critic_lr, low=0.0)
+        _count("critic_warmup_steps", self.critic_warmup_steps, low=0)
+        _choice("critic_lr_decay_style", self.critic_lr_decay_style, DECAY_STYLES)
+        _count("critic_lr_decay_steps", self.critic_lr_decay_steps, low=0)
+        if self.critic_lr_decay_style != "constant" and self.critic_lr_decay_steps <= self.critic_warmup_steps:
+            raise ValueError(f"critic_lr_decay_steps={self.critic_lr_decay_steps} must exceed "
+                             f"critic_warmup_steps={self.critic_warmup_steps} when "
+                             f"critic_lr_decay_style={self.critic_lr_decay_style!r}")
         if self.lr_decay_style != "constant" and self.lr_decay_steps <= self.warmup_steps:
             raise ValueError(f"lr_decay_steps={self.lr_decay_steps} must exceed warmup_steps="
                              f"{self.warmup_steps} when lr_decay_style={self.lr_decay_style!r}")
@@ -108,6 +199,16 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             # that the later steps start from; recompute is the only correct choice.
             raise ValueError("old_logprobs='rollout' needs steps_per_train=1, got "
                              f"steps_per_train={self.steps_per_train}")
+
+
+def trainer_dp_layout(config: TrainConfig, world_size: int) -> tuple[int, list[int]]:
+    """(DP size, each trainer rank's DP index). Ranks with the same DP index train the same
+    samples (they split one model by TP/PP/CP); FSDP has one DP index per rank."""
+    if config.backend != "megatron":
+        return world_size, list(range(world_size))
+    m = config.megatron
+    dp = m.data_parallel(world_size)
+    return dp, [(r // (m.tp * m.cp)) % dp for r in range(world_size)]
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

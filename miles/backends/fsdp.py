@@ -6,7 +6,8 @@ Design decisions:
 - Precision: fp32 sharded parameters (the optimizer's master copy) with a MixedPrecisionPolicy that
   all-gathers them as `param_dtype` (bf16) for compute and reduce-scatters gradients in
   `reduce_dtype` (fp32). `master_weights_fp32=false` loads the weights in bf16 and steps them there.
-- One `train(samples)` call: agree on the batch (all ranks) -> plan steps / ranks / packed micro-batches
+- One `train(samples, index=None)` call (the whole batch, or this rank's shard with the batch's
+  `BatchIndex`): agree on the batch (all ranks) -> plan steps / ranks / packed micro-batches
   (packing.py) -> no-grad pass for old / reference log-probs when the objective needs them ->
   advantages on this rank's whole groups (algo; whitening all-reduced) -> per optimizer step:
   forward, `compute_policy_loss` with step-level denominators over all ranks' samples, backward,
@@ -33,6 +34,21 @@ Design decisions:
   poisoning the weights; the caller sees it in the metrics.
 - FSDP2 leaves the root unsharded after a forward without backward; everything that reads the
   parameters as shards (sleep, weight sync, export, checkpoints) reshards first.
+- R3 (`train.router_replay`, from `rollout.r3`): the MoE routers are patched at init
+  (router_replay.py); each micro-batch's forward, recompute and backward run inside its routing
+  context, the no-grad passes in their own. A rank that trains a sample without its routing
+  refuses the batch (all ranks raise together). Samples carrying routing without replay are
+  only measured: routing_agreement / routing_native_agreement (1.0 / the flip rate with replay).
+- PPO (`algo.advantage_estimator = "ppo"`): a value model (critic.py) with its own optimizer and
+  schedule steps right after each policy step on the same micro-batches; GAE takes its pre-update
+  values. On-policy distillation (`algo.opd_kl_coef > 0`): a frozen teacher (teacher.py,
+  `train.teacher_model_path`) scores every response token in a no-grad pass like the reference's.
+  Metrics: value_loss, value_clipfrac, explained_variance, critic_grad_norm, critic_lr,
+  critic_step; teacher_reverse_kl.
+- LoRA (`train.lora`, lora.py): peft adapters injected before fully_shard; only they require grad,
+  so only they have Adam state. Weight sync and HF exports send merged weights under the base
+  names; every checkpoint and export also writes `adapter/` in peft's format. Metrics:
+  trainable_params, optimizer_bytes (every run, LoRA or not).
 - Metrics (identical on every rank; means over the call's optimizer steps): loss, pg_loss,
   pg_clipfrac, ppo_kl, kl (= kl_loss when a KL loss is on, else ppo_kl), kl_loss, entropy,
   train_rollout_logprob_abs_diff, train_rollout_kl, tis/mis stats, grad_norm, lr; sums: tokens,
@@ -43,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,29 +69,31 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from miles.algo import LossConfig, compute_advantages, compute_policy_loss, loss_denominators
-from miles.algo.layout import cu_seqlens_from_lengths
-from miles.algo.losses import kl_penalty
-from miles.algo.metrics import mismatch_metrics
-from miles.algo.reduce import reduce_tokens, token_weights
-from miles.backends import attention
+from miles.algo import LossConfig
+from miles.backends import attention, train_common
 from miles.backends.base import MAIN_PHASE, Metrics, RankInfo, TrainingBackend, TrainPhase
-from miles.backends.batch import CheckedBatch, find_batch_error, number_batch
+from miles.backends.batch import CheckedBatch
 from miles.backends.checkpoint import load_checkpoint, save_checkpoint
 from miles.backends.config import TrainConfig
+from miles.backends.critic import Critic, explained_variance, uses_critic
 from miles.backends.distributed import init_process_group, pick_device
 from miles.backends.hf_weights import NamedTensors, export_hf, iter_hf_weight_buckets
+from miles.backends.lora import (ADAPTER_DIR, apply_lora, export_adapter, merged_hf_parameters,
+                                 optimizer_bytes, trainable_parameters)
 from miles.backends.offload import HostOffload
 from miles.backends.optim import build_adamw, lr_at, set_lr
-from miles.backends.packing import PackedMicroBatch, dummy_microbatch, pack_samples, plan_batch
+from miles.backends.packing import PackedMicroBatch, plan_batch
 from miles.backends.policy import PackedPolicy
+from miles.backends.router_replay import (RouterReplay, agree_on_routing, finish_routing_metrics,
+                                          micro_batch_routing, routed)
+from miles.backends.teacher import (carried_teacher_logprobs, check_teacher_config, check_teacher_vocab,
+                                    teacher_reverse_kl, uses_teacher)
 from miles.weights.base import WeightTransport
-from miles.wire.messages import Sample
+from miles.wire.messages import BatchIndex, Sample
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-SHAPING_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 class FSDPBackend(TrainingBackend):
@@ -86,9 +103,14 @@ class FSDPBackend(TrainingBackend):
         self.cfg: TrainConfig | None = None
         self.policy: PackedPolicy | None = None
         self.ref: PackedPolicy | None = None
+        self.critic: Critic | None = None
+        self.teacher: PackedPolicy | None = None
         self._optimizers: dict[str, torch.optim.Optimizer] = {}  # per phase name; MAIN_PHASE first
         self._steps: dict[str, int] = {}
         self._offload = HostOffload()
+        # (lm, device, compute_dtype) -> None, on the trainable model before fully_shard:
+        # quant.train (miles/quant/train.py: INT4 QAT, torchao float8). Set before init.
+        self.lm_transform = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -121,15 +143,22 @@ class FSDPBackend(TrainingBackend):
             attention.register()
             attention.enable_varlen_kernel(self.device, self.compute_dtype)
         self.mesh = init_device_mesh(self.device.type, (rank.world_size,))
-        use_ref = config.use_ref_model
-        if use_ref is None:
-            use_ref = _needs_ref(loss)
-        elif not use_ref and _needs_ref(loss):
-            raise ValueError("train.use_ref_model=false but the loss has a KL term "
-                             f"(kl_loss_coef={loss.kl_loss_coef}, kl_coef={loss.kl_coef})")
+        use_ref = train_common.use_ref_model(config, loss)
         self.policy = self._build(config.model_path, trainable=True)
         self.ref = self._build(config.ref_model_path or config.model_path, trainable=False) if use_ref else None
         self.vocab_size = int(self.policy.lm.config.vocab_size)
+        self.critic = self._build_critic(config) if uses_critic(loss) else None  # PPO (critic.py)
+        check_teacher_config(config, loss)
+        self.teacher = self._build(config.teacher_model_path, trainable=False) if uses_teacher(loss) else None
+        if self.teacher is not None:
+            check_teacher_vocab(int(self.teacher.lm.config.vocab_size), self.vocab_size, config.teacher_model_path)
+        # R3: MoE routers are patched whenever the model has them (agreement is measured whenever
+        # samples carry routing); replay itself only with train.router_replay.
+        self.replay = RouterReplay.install(self.policy.lm)
+        self.ref_replay = RouterReplay.install(self.ref.lm) if self.ref is not None else None
+        if config.router_replay and self.replay is None:
+            raise ValueError(f"train.router_replay = true (rollout.r3), but {config.model_path} has no "
+                             "MoE router to replay (a dense model)")
         self._optimizers = {MAIN_PHASE: build_adamw(self.policy, config, self.device)}
         self._steps = {MAIN_PHASE: 0}
 
@@ -143,6 +172,10 @@ class FSDPBackend(TrainingBackend):
         attn = attention.ATTN_IMPLEMENTATION if cfg.attention == "packed" else cfg.attention
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=master, attn_implementation=attn)
         lm.config.use_cache = False
+        if trainable and self.lm_transform is not None:
+            self.lm_transform(lm, self.device, self.compute_dtype)
+        if trainable and cfg.lora is not None:  # only the adapters require grad (lora.py)
+            apply_lora(lm, cfg.lora)
         if trainable:
             lm.train()
             if cfg.gradient_checkpointing:
@@ -178,6 +211,9 @@ class FSDPBackend(TrainingBackend):
             raise ValueError(f"phase {phase.name!r}: train.model_path = {phase.config.model_path!r}, but the "
                              f"backend was built from {self.cfg.model_path!r}; a phase cannot change the model")
         _check_loss(phase.loss)
+        if (uses_critic(phase.loss) and self.critic is None) or (uses_teacher(phase.loss) and self.teacher is None):
+            raise ValueError(f"phase {phase.name!r}: its loss needs a {'critic' if uses_critic(phase.loss) else 'teacher'}"
+                             " (advantage_estimator='ppo' / opd_kl_coef > 0), which init did not build")
         if self.ref is None and _needs_ref(phase.loss):
             raise ValueError(f"phase {phase.name!r}: the loss has a KL term (kl_loss_coef="
                              f"{phase.loss.kl_loss_coef}, kl_coef={phase.loss.kl_coef}) but init built no "
@@ -195,127 +231,122 @@ class FSDPBackend(TrainingBackend):
         return self._optimizers[phase.name]
 
     # ------------------------------------------------------------------ train
-    def train(self, samples: Sequence[Sample], phase: TrainPhase | None = None) -> Metrics:
+    def train(self, samples: Sequence[Sample], phase: TrainPhase | None = None,
+              index: BatchIndex | None = None) -> Metrics:
         self._require_awake("train")
         t0 = time.perf_counter()
         phase = self._resolve_phase(phase)
         cfg, loss_cfg, world = phase.config, phase.loss, self.rank.world_size
-        batch = self._agree_on_batch(samples, phase)
+        batch = self._agree_on_batch(samples, phase, index)
         optimizer = self._phase_optimizer(phase)
         plan = plan_batch(batch.group_index, batch.lengths, world_size=world,
                           steps=cfg.steps_per_train, max_tokens=cfg.max_tokens_per_microbatch)
-        with_rollout_lp = all(s.rollout_logprobs is not None for s in batch.samples)
+        with_rollout_lp = batch.with_rollout_logprobs
         mine = [[self._pack(batch, idx, with_rollout_lp) for idx in step[self.rank.rank]] for step in plan]
         flat = [mb for step in mine for mb in step]
+        # R3 replays the rollout's routing in RL phases (an SFT warm-start's data has none).
+        replaying = cfg.router_replay and loss_cfg.loss_type == "policy"
+        routing, error = micro_batch_routing(self.replay, batch.samples, flat, required=replaying,
+                                             rank=self.rank.rank)
+        if self.replay is not None:
+            agree_on_routing(error, self.device)
 
-        shaping = _shaping_kl(loss_cfg)
-        need_old = (cfg.old_logprobs == "recompute" or shaping
-                    or (cfg.old_logprobs == "auto" and cfg.steps_per_train > 1))
-        old = self._no_grad_logprobs(self.policy, flat) if need_old else None
-        ref = self._no_grad_logprobs(self.ref, flat) if self.ref is not None and _needs_ref(loss_cfg) else None
-        advantages = self._advantages(batch, flat, old, ref, loss_cfg)
+        # distillation's student side is pi_old: the rollout's log-probs, or this pass
+        need_old = train_common.needs_old_logprobs(cfg, loss_cfg) or (
+            uses_teacher(loss_cfg) and not (with_rollout_lp and cfg.old_logprobs == "rollout"))
+        old = self._no_grad_logprobs(self.policy, flat, routing, self.replay, replaying) if need_old else None
+        ref = (self._no_grad_logprobs(self.ref, flat, routing, self.ref_replay, replaying)
+               if self.ref is not None and train_common.needs_ref(loss_cfg) else None)
+        aux = self._critic_and_teacher_passes(flat, old, loss_cfg, batch)
+        advantages, returns = self._advantages(batch, flat, old, ref, loss_cfg, aux)
 
         totals: dict[str, float] = {}
         k = 0
         for step_plan, step_mbs in zip(plan, mine):
+            k0 = k
             step_indices = sorted(i for rank_plan in step_plan for mb in rank_plan if mb for i in mb)
             denominators = self._denominators(batch, step_indices, loss_cfg)
             optimizer.zero_grad(set_to_none=True)  # nothing left over from a failed call
             sums: dict[str, torch.Tensor] = {}
             for mb in step_mbs:
-                logp, ent = self.policy.run(mb.inputs)
-                # a dummy micro-batch is one sample with no trained token: any positive denominator
-                den = torch.tensor([denominators[i] for i in mb.sample_indices] or [1.0],
-                                   dtype=torch.float64, device=self.device)
-                rollout_is_old = cfg.old_logprobs == "rollout" and not mb.is_dummy
-                if rollout_is_old:
-                    old_mb = mb.rollout_logprobs
-                else:
-                    old_mb = old[k] if old is not None else None
-                loss, metrics = compute_policy_loss(
-                    logp, loss_mask=mb.loss_mask, sample_denominators=den,
-                    cfg=loss_cfg, cu_seqlens=mb.response_cu_seqlens, advantages=advantages[k],
-                    old_logprobs=old_mb, ref_logprobs=ref[k] if ref is not None else None,
-                    rollout_logprobs=mb.rollout_logprobs,
-                    entropy=ent if loss_cfg.entropy_coef != 0 else ent.detach())
-                if rollout_is_old:
-                    # pi_old IS the rollout policy here, so the objective's pi_old-vs-rollout mismatch
-                    # reads 0; measure the policy being trained against it (engine vs trainer, staleness).
-                    weights = token_weights(mb.loss_mask, mb.response_cu_seqlens, den)
-                    for name, value in mismatch_metrics(logp, mb.rollout_logprobs).items():
-                        metrics[name] = reduce_tokens(value, weights)
-                (loss * world).backward()
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + value.detach().double()
-                sums["tokens"] = sums.get("tokens", 0.0) + float(0 if mb.is_dummy else mb.num_tokens)
+                # backward inside: activation recompute routes by the same indices
+                with routed(self.replay, routing[k], replay_on=replaying):
+                    logp, ent = self.policy.run(mb.inputs)
+                    loss, metrics = train_common.microbatch_loss(
+                        mb, logp, ent, cfg=cfg, loss_cfg=loss_cfg, denominators=denominators,
+                        advantages=advantages[k], old=old[k] if old is not None else None,
+                        ref=ref[k] if ref is not None else None, device=self.device)
+                    (loss * world).backward()
+                train_common.add_sums(sums, metrics, mb)
                 k += 1
+            if self.replay is not None:
+                sums.update(self.replay.take_sums())
             step_metrics = self._optimizer_step(phase)
+            if "values" in aux:  # the critic steps on the same micro-batches, after the policy
+                critic_sums = self.critic.train_step(step_mbs, aux["values"][k0:k], returns[k0:k],
+                                                     denominators, loss_cfg)
+                step_metrics.update({n: critic_sums.pop(n) for n in ("critic_grad_norm", "critic_lr")})
+                sums.update(critic_sums)
             step_metrics.update(self._all_reduce_sums(sums))
             for name, value in step_metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
-        return self._finish_metrics(totals, len(plan), k, batch, time.perf_counter() - t0)
+        metrics = self._finish_metrics(totals, len(plan), k, batch, time.perf_counter() - t0)
+        masks = [mb.loss_mask for mb in flat]
+        if "values" in aux:
+            metrics["explained_variance"] = explained_variance(aux["values"], returns, masks, self.device)
+            metrics["critic_step"] = float(self.critic.step)
+        if "teacher" in aux:
+            metrics["teacher_reverse_kl"] = teacher_reverse_kl(aux["student"], aux["teacher"], masks, self.device)
+        metrics["trainable_params"] = float(trainable_parameters(self.policy))
+        metrics["optimizer_bytes"] = float(optimizer_bytes(optimizer))
+        return finish_routing_metrics(metrics)
 
-    def _agree_on_batch(self, samples: Sequence[Sample], phase: TrainPhase) -> CheckedBatch:
-        """Check the batch on every rank, then agree: all raise together or all go on."""
-        cfg, loss_cfg = phase.config, phase.loss
-        error = find_batch_error(samples, vocab_size=self.vocab_size, loss=loss_cfg,
-                                 reward_key=cfg.reward_key,
-                                 need_rollout_logprobs=cfg.old_logprobs == "rollout")
-        fingerprint = [0, 0, 0] if error else _fingerprint(samples)
-        local = torch.tensor([1 if error else 0, *fingerprint, *(-x for x in fingerprint)],
-                             dtype=torch.int64, device=self.device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        if int(local[0]):
-            raise ValueError(error or "train batch refused by another trainer rank (it logged why)")
-        if any(int(local[1 + j]) != -int(local[4 + j]) for j in range(3)):
-            raise ValueError("train batch differs between trainer ranks; every rank must receive "
-                             "the same whole batch")
-        return number_batch(samples, loss=loss_cfg, reward_key=cfg.reward_key)
+    def _agree_on_batch(self, samples: Sequence[Sample], phase: TrainPhase,
+                        index: BatchIndex | None = None) -> CheckedBatch:
+        return train_common.agree_on_batch(samples, phase, vocab_size=self.vocab_size, device=self.device,
+                                           index=index, dp_size=self.rank.world_size, dp_rank=self.rank.rank)
 
     def _pack(self, batch: CheckedBatch, indices: list[int] | None, with_rollout_lp: bool) -> PackedMicroBatch:
-        if indices is None:
-            mb = dummy_microbatch(self.device)
-            if with_rollout_lp:
-                mb.rollout_logprobs = torch.zeros(1, dtype=torch.float32, device=self.device)
-            return mb
-        samples = [batch.samples[i] for i in indices]
-        return pack_samples([s.tokens for s in samples], [s.response_length for s in samples],
-                            [batch.loss_masks[i] for i in indices],
-                            [s.rollout_logprobs if with_rollout_lp else None for s in samples],
-                            indices, self.device)
+        return train_common.pack(batch, indices, with_rollout_lp, self.device)
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: PackedPolicy, mbs: list[PackedMicroBatch]) -> list[torch.Tensor]:
-        out = [model.run(mb.inputs)[0] for mb in mbs]
+    def _no_grad_logprobs(self, model: PackedPolicy, mbs: list[PackedMicroBatch], routing: list,
+                          replay: RouterReplay | None, replaying: bool) -> list[torch.Tensor]:
+        out = []
+        for mb, indices in zip(mbs, routing):
+            with routed(replay, indices, replay_on=replaying, measure=False):
+                out.append(model.run(mb.inputs)[0])
         reshard(model)
         return out
 
+    def _build_critic(self, config: TrainConfig) -> Critic:
+        attn = attention.ATTN_IMPLEMENTATION if config.attention == "packed" else config.attention
+        reshard = config.reshard_after_forward
+        return Critic.build(config, mesh=self.mesh, device=self.device, compute_dtype=self.compute_dtype,
+                            reduce_dtype=DTYPES[config.reduce_dtype], attn_implementation=attn,
+                            reshard=self.rank.world_size > 1 if reshard is None else reshard,
+                            world_size=self.rank.world_size)
+
+    def _critic_and_teacher_passes(self, mbs: list[PackedMicroBatch], old: list[torch.Tensor] | None,
+                                   loss_cfg: LossConfig, batch: CheckedBatch) -> dict[str, list[torch.Tensor]]:
+        """The critic's pre-update values (PPO) and the teacher's and student's log-probs (OPD)."""
+        aux: dict[str, list[torch.Tensor]] = {}
+        if uses_critic(loss_cfg):
+            reshard(self.policy)
+            self.critic.start_from(self.policy.lm.model)
+            aux["values"] = self.critic.values(mbs)
+        if uses_teacher(loss_cfg):
+            # the rollout's teacher engine scored the samples already, or the trainer's teacher does
+            aux["teacher"] = (carried_teacher_logprobs(batch, mbs, self.device)
+                              or self._no_grad_logprobs(self.teacher, mbs, [None] * len(mbs), None, False))
+            aux["student"] = old if old is not None else [mb.rollout_logprobs for mb in mbs]
+        return aux
+
     def _advantages(self, batch: CheckedBatch, mbs: list[PackedMicroBatch], old: list[torch.Tensor] | None,
-                    ref: list[torch.Tensor] | None, loss_cfg: LossConfig) -> list[torch.Tensor]:
-        """Per-micro-batch advantages, computed once over this rank's share (whole groups)."""
-        if loss_cfg.loss_type == "sft":
-            return [torch.zeros_like(mb.loss_mask) for mb in mbs]
-        real = [j for j, mb in enumerate(mbs) if not mb.is_dummy]
-        # A rank without samples still joins the whitening all-reduces, with one zero-weight token.
-        use = real or [0]
-        idx = [i for j in use for i in mbs[j].sample_indices] or [0]
-        mask = torch.cat([mbs[j].loss_mask for j in use]) if real else torch.zeros(1, device=self.device)
-        lengths = [batch.samples[i].response_length for i in idx] if real else [1]
-        kl = None
-        if _shaping_kl(loss_cfg):
-            kl = torch.cat([kl_penalty(old[j], ref[j], loss_cfg.kl_loss_type) for j in use])
-        t = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt, device=self.device)
-        result = compute_advantages(
-            loss_cfg, rewards=t(batch.rewards[idx], torch.float32), loss_mask=mask,
-            cu_seqlens=cu_seqlens_from_lengths(lengths).to(self.device),
-            group_ids=t(batch.group_index[idx], torch.int64),
-            rollout_ids=t(batch.rollout_index[idx], torch.int64), kl=kl,
-            sum_across_ranks=self._sum_across_ranks)
-        pieces = iter(torch.split(result.advantages, [mbs[j].loss_mask.shape[0] for j in use]))
-        out = [torch.zeros_like(mb.loss_mask) for mb in mbs]
-        for j in real:
-            out[j] = next(pieces)
-        return out
+                    ref: list[torch.Tensor] | None, loss_cfg: LossConfig,
+                    aux: dict[str, list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return train_common.advantages_and_returns(batch, mbs, old, ref, loss_cfg, self.device,
+                                                   self._sum_across_ranks, **aux)
 
     def _sum_across_ranks(self, x: torch.Tensor) -> torch.Tensor:
         y = x.clone()
@@ -323,11 +354,7 @@ class FSDPBackend(TrainingBackend):
         return y
 
     def _denominators(self, batch: CheckedBatch, step_indices: list[int], loss_cfg: LossConfig) -> dict[int, float]:
-        counts = torch.tensor([int(batch.loss_masks[i].sum()) for i in step_indices], dtype=torch.int64)
-        rollouts = torch.as_tensor(batch.rollout_index[step_indices], dtype=torch.int64)
-        den = loss_denominators(counts, reduction=loss_cfg.reduction, rollout_ids=rollouts,
-                                max_response_tokens=loss_cfg.max_response_tokens)
-        return dict(zip(step_indices, den.tolist()))
+        return train_common.step_denominators(batch, step_indices, loss_cfg)
 
     def _optimizer_step(self, phase: TrainPhase) -> dict[str, float]:
         cfg, optimizer, step = phase.config, self._optimizers[phase.name], self._steps[phase.name]
@@ -348,23 +375,11 @@ class FSDPBackend(TrainingBackend):
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(skipped)}
 
     def _all_reduce_sums(self, sums: dict[str, Any]) -> dict[str, float]:
-        names = sorted(sums)
-        vec = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64, device=self.device) for n in names])
-        dist.all_reduce(vec)
-        return dict(zip(names, vec.tolist()))
+        return train_common.all_reduce_sums(sums, self.device)
 
     def _finish_metrics(self, totals: dict[str, float], steps: int, microbatches: int,
                         batch: CheckedBatch, seconds: float) -> Metrics:
-        out = {name: value / steps for name, value in totals.items()}
-        for name in ("tokens", "skipped_steps"):
-            out[name] = totals.get(name, 0.0)
-        out["kl"] = out.get("kl_loss", out.get("ppo_kl", 0.0))
-        out["samples"] = float(len(batch.samples))
-        out["optimizer_steps"] = float(steps)
-        out["microbatches"] = float(microbatches)  # per rank, dummies included
-        out["step_s"] = seconds
-        out["tokens_per_s"] = out["tokens"] / seconds if seconds > 0 else 0.0
-        return out
+        return train_common.finish_metrics(totals, steps, microbatches, batch, seconds)
 
     # ------------------------------------------------------------------ weights out
     def iter_hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[NamedTensors]:
@@ -372,9 +387,19 @@ class FSDPBackend(TrainingBackend):
         self._require_awake("iter_hf_weight_buckets")
         reshard(self.policy)
         return iter_hf_weight_buckets(self.policy.lm, bucket_bytes or self.cfg.update_bucket_bytes,
-                                      dtype=self.compute_dtype)
+                                      dtype=self.compute_dtype, params=self._merged_lora())
+
+    def _merged_lora(self):
+        """With train.lora, the weights engines and exports get: each adapter merged (lora.py)."""
+        return merged_hf_parameters(self.policy.lm) if self.cfg.lora is not None else None
 
     def update_weights(self, transport: WeightTransport, version: int) -> None:
+        if self._publishes_local_shards(transport):
+            # p2p: each rank sends its own Shard(0) rows; no all-gather of any parameter
+            self._require_awake("update_weights")
+            transport.publish_local(self.policy.lm, version, bucket_bytes=self.cfg.update_bucket_bytes,
+                                    dtype=self.compute_dtype)
+            return
         sender = transport.is_sender
         if sender:
             transport.begin(version)
@@ -384,15 +409,28 @@ class FSDPBackend(TrainingBackend):
         if sender:
             transport.finish(version)
 
+    def _publishes_local_shards(self, transport: WeightTransport) -> bool:
+        """The P2P transport itself (not wrapped: a checksum tap or quantize-on-export needs the
+        full tensors) and a model whose parameters export under their own names (no LoRA merge,
+        no fused MoE experts)."""
+        from miles.weights.p2p import P2PTransport
+        return (type(transport) is P2PTransport and self.cfg.lora is None
+                and not any(".experts." in n for n, _ in self.policy.lm.named_parameters()))
+
     def save_model(self, path: str | Path, hf: bool = False,
                    extra_state: dict[str, Any] | None = None) -> None:
         self._require_awake("save_model")
         reshard(self.policy)
+        if self.cfg.lora is not None:  # the adapters alone, in peft's format, beside either kind
+            export_adapter(self.policy.lm, self.cfg.lora, Path(path) / ADAPTER_DIR, write=self.rank.rank == 0,
+                           base_model_path=self.cfg.model_path)
         if hf:
             export_hf(self.policy.lm, self.cfg.model_path, path, write=self.rank.rank == 0,
-                      dtype=self.compute_dtype)
+                      dtype=self.compute_dtype, params=self._merged_lora())
             dist.barrier()
         else:
+            if self.critic is not None:  # first: the policy's COMPLETE marker then covers it
+                self.critic.save(path)
             save_checkpoint(path, self.policy, self.optimizer, step=self.step, extra_state=extra_state)
 
     def load_model(self, path: str | Path) -> dict[str, Any]:
@@ -400,11 +438,13 @@ class FSDPBackend(TrainingBackend):
         reshard(self.policy)
         state = load_checkpoint(path, self.policy, self.optimizer)
         self._steps[MAIN_PHASE] = int(state["step"])
+        if self.critic is not None:
+            self.critic.load(path)
         return dict(state.get("extra_state", {}))
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        for model in (self.policy, self.ref):
+        for model in (self.policy, self.ref, self.teacher):
             if model is not None:
                 reshard(model)
         moved = self._offload.sleep(self._device_tensors())
@@ -414,7 +454,9 @@ class FSDPBackend(TrainingBackend):
         self._offload.wake_up()
 
     def _device_tensors(self):
-        for model in (self.policy, self.ref):
+        if self.critic is not None:
+            yield from self.critic.device_tensors()
+        for model in (self.policy, self.ref, self.teacher):
             if model is None:
                 continue
             for p in model.parameters():
@@ -437,30 +479,18 @@ class FSDPBackend(TrainingBackend):
             raise RuntimeError(f"{what}: the backend is asleep; call wake_up() first")
 
     def close(self) -> None:
-        self.policy = self.ref = None
+        self.policy = self.ref = self.teacher = self.critic = None
         self._optimizers.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _check_loss(loss: LossConfig) -> None:
-    if loss.advantage_estimator == "ppo" and loss.loss_type == "policy":
-        raise NotImplementedError("advantage_estimator='ppo' needs a critic, which the FSDP "
-                                  "backend does not build yet; use grpo/gspo/reinforce_plus_plus")
-    if loss.opd_kl_coef > 0:
-        raise NotImplementedError("opd_kl_coef > 0 needs teacher log-probs, which the FSDP "
-                                  "backend does not compute yet")
-    if loss.reduction == "constant" and loss.max_response_tokens < 1:
-        raise ValueError("algo.max_response_tokens = 0: the 'constant' loss reduction (Dr. GRPO) divides "
-                         "by the generation budget; set it (the trainer actor fills in rollout.max_new_tokens)")
-
-
-def _shaping_kl(loss: LossConfig) -> bool:
-    return loss.loss_type == "policy" and loss.kl_coef > 0 and loss.advantage_estimator in SHAPING_ESTIMATORS
+    train_common.check_loss(loss, "FSDP", critic=True, teacher=True)
 
 
 def _needs_ref(loss: LossConfig) -> bool:
-    return (loss.loss_type == "policy" and loss.kl_loss_coef > 0) or _shaping_kl(loss)
+    return train_common.needs_ref(loss)
 
 
 def _compile_elementwise_parts(lm: torch.nn.Module) -> None:
@@ -499,15 +529,3 @@ def reshard(model: torch.nn.Module) -> None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _fingerprint(samples: Sequence[Sample]) -> list[int]:
-    crc = 0
-    total = 0
-    for s in samples:
-        crc = zlib.crc32(np.ascontiguousarray(s.tokens).tobytes(), crc)
-        crc = zlib.crc32(f"{s.response_length}|{s.reward!r}|{s.group_id}|{s.rollout_id}".encode(), crc)
-        if s.loss_mask is not None:
-            crc = zlib.crc32(np.ascontiguousarray(s.loss_mask).tobytes(), crc)
-        total += len(s.tokens)
-    return [len(samples), total, crc]

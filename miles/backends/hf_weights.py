@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -82,15 +82,17 @@ def _gather_dim0(local: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:
 
 
 def iter_hf_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
-                           device: torch.device | str | None = None) -> Iterator[NamedTensors]:
+                           device: torch.device | str | None = None,
+                           params: Iterable[tuple[str, torch.Tensor]] | None = None) -> Iterator[NamedTensors]:
     """Yield lists of (HF name, full tensor) of about `bucket_bytes` each, in parameter order.
 
     `model` is the HF causal LM (its parameters may be FSDP DTensor shards). `dtype` None keeps the
-    parameter dtype; `device` None keeps the tensors where the gather put them.
+    parameter dtype; `device` None keeps the tensors where the gather put them. `params` replaces
+    `model.named_parameters()` (LoRA: the merged weights, miles/backends/lora.py).
     """
     bucket: NamedTensors = []
     size = 0
-    for name, param in model.named_parameters():
+    for name, param in (model.named_parameters() if params is None else params):
         full = _full_tensor(param, dtype)
         if device is not None:
             full = full.to(device)
@@ -110,7 +112,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def export_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, *, write: bool,
-              dtype: torch.dtype, shard_bytes: int = 4 << 30) -> None:
+              dtype: torch.dtype, shard_bytes: int = 4 << 30,
+              params: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Write an HF directory (safetensors + config + tokenizer files) loadable by from_pretrained.
 
     Every rank calls this (the gather is collective); only the rank with `write` touches the disk.
@@ -125,7 +128,7 @@ def export_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, *, 
     # a provisional name; the final "-of-N" names are known only at the end.
     written: list[tuple[Path, list[str]]] = []
     total = 0
-    for k, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes, dtype=dtype, device="cpu")):
+    for k, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes, dtype=dtype, device="cpu", params=params)):
         if not write:
             continue
         tmp = out / f".shard-{k:05d}.safetensors"

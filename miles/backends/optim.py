@@ -45,8 +45,12 @@ def build_adamw(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tor
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, **kwargs)
+    kwargs.update(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if cfg.optimizer_offload != "none":  # the moments live off the device, streamed per bucket
+        from miles.backends.optim_offload import OffloadedAdamW
+        return OffloadedAdamW(groups, offload=cfg.optimizer_offload, offload_dir=cfg.offload_dir,
+                              **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

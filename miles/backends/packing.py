@@ -1,8 +1,10 @@
 """Planning a training batch: optimizer steps, data-parallel ranks, packed micro-batches.
 
 Design decisions:
-- The plan is a pure function of the batch and the world size, so every rank computes the same
-  plan for all ranks without talking to the others; each rank then runs its own row of it.
+- The plan is a pure function of the batch's group numbers and lengths and the world size, so
+  every rank computes the same plan for all ranks without talking to the others (from the whole
+  batch, or from the `BatchIndex` sent with its shard); each rank then runs its own row of it. The
+  driver computes it once too (`sample_owners`) to send each DP rank only its samples.
 - Steps (when one train() call takes several optimizer steps) and ranks receive whole groups: group
   statistics (GRPO means/stds) then never need a collective, and a rollout's siblings, which always
   share a group, stay together. Groups go to the least-loaded rank by tokens, largest first.
@@ -140,3 +142,15 @@ def pack_samples(tokens: Sequence[np.ndarray], response_lengths: Sequence[int],
 def dummy_microbatch(device: torch.device) -> PackedMicroBatch:
     """Two tokens, one response token, zero loss mask: keeps a rank in step with the collectives."""
     return pack_samples([np.zeros(2, np.int64)], [1], [np.zeros(1, np.uint8)], [None], [], device)
+
+
+def sample_owners(group_index: np.ndarray, lengths: Sequence[int], *, world_size: int, steps: int,
+                  max_tokens: int) -> np.ndarray:
+    """int64 [S]: the data-parallel rank that trains each sample under `plan_batch` (the same pure
+    function, so the driver can send each rank only its samples' routing, R3)."""
+    owners = np.full(len(lengths), -1, np.int64)
+    for step in plan_batch(group_index, lengths, world_size=world_size, steps=steps, max_tokens=max_tokens):
+        for rank, mbs in enumerate(step):
+            for mb in mbs:
+                owners[mb or []] = rank
+    return owners

@@ -45,8 +45,8 @@ def free_port() -> int:
 
 
 def run_ranks(scenario: str, out_dir: Path, *, world_size: int = 2, timeout_s: float = 120,
-              cuda: bool = False) -> list[dict]:
-    """Run fsdp_worker.py as `world_size` ranks (torchrun-style env); return each rank's JSON.
+              cuda: bool = False, worker: Path = WORKER) -> list[dict]:
+    """Run `worker` (fsdp_worker.py) as `world_size` ranks (torchrun-style env); return each rank's JSON.
 
     cuda=False hides GPUs (gloo on CPU); cuda=True gives rank r GPU r (NCCL)."""
     port = free_port()
@@ -59,7 +59,7 @@ def run_ranks(scenario: str, out_dir: Path, *, world_size: int = 2, timeout_s: f
         if not cuda:
             env["CUDA_VISIBLE_DEVICES"] = ""
         out = out_dir / f"rank{rank}.json"
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
+        procs.append((subprocess.Popen([sys.executable, str(worker), scenario, str(out)], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
     results, logs = [], []
     try:

@@ -1,0 +1,197 @@
+"""Megatron checkpoints through megatron-core's `dist_checkpointing` (torch_dist format).
+
+Design decisions:
+- The model's own `sharded_state_dict()` names every tensor by its GLOBAL shape and this rank's
+  offset in it (TP splits, global layer numbers under PP, expert offsets under EP), so a checkpoint
+  saved at one layout loads at another (TP=2 -> TP=1 x DP=2, -> PP=2): dist_checkpointing reads
+  each rank's slice from whatever ranks wrote it.
+- The optimizer state is sharded like the parameter it belongs to. On CUDA, megatron's optimizer
+  builds that itself (`MegatronOptimizer.sharded_state_dict`, distributed optimizer included). On
+  a CPU host the optimizer is our torch AdamW over main copies (megatron_step.LocalAdamW), so each
+  main param and Adam moment becomes a ShardedTensor with its parameter's sharding under
+  `optimizer.<state>.<param key>` (megatron's `make_sharded_optimizer_tensor`); Adam's step count
+  is one number per optimizer, kept with the common (rank-0) state.
+- A checkpoint written by one optimizer kind is not loaded by the other (their key sets differ);
+  the mismatch surfaces as dist_checkpointing's missing-key error, prefixed with our context.
+- Everything else of the checkpoint contract is the backend's: trainer_state.json (step,
+  `extra_state` for the loop), per-rank RNG files and the COMPLETE marker written last, so an
+  interrupted save never reads as complete. A PPO critic saves its own sharded dict under
+  `critic/` before that marker (megatron_critic.py), through the same two functions.
+- Vocab padding depends on TP (`padded_vocab_size`): layouts whose padded vocab differs cannot
+  exchange a checkpoint; dist_checkpointing refuses the shape mismatch naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.backends.base import MAIN_PHASE
+from miles.backends.checkpoint import _load_rng, _save_rng
+
+log = logging.getLogger(__name__)
+
+OPTIM_PREFIX = "optimizer"
+FORMAT = "miles-megatron-checkpoint/2"
+DIST_DIR = "dist"   # dist_checkpointing (torch_dist) of the policy and its optimizer
+
+
+def save_backend(backend, root: Path, extra_state: dict[str, Any] | None) -> None:
+    """The MegatronBackend's checkpoint (collective): policy + optimizer, the critic, RNG, loop state,
+    then COMPLETE."""
+    r = backend.rank.rank
+    if r == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "COMPLETE").unlink(missing_ok=True)
+        shutil.rmtree(root / DIST_DIR, ignore_errors=True)  # dist_checkpointing writes into an empty dir
+    dist.barrier()
+    save(backend.chunks, backend._optimizers[MAIN_PHASE], root / DIST_DIR)
+    if backend.critic is not None:  # before COMPLETE: a checkpoint that reads complete has its critic
+        backend.critic.save(root)
+    _save_rng(root / "rng", r)
+    if r == 0:
+        state = {"format": FORMAT, "step": backend.step, "world_size": backend.rank.world_size,
+                 "layout": backend._layout(), "extra_state": extra_state or {}}
+        (root / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    dist.barrier()
+    if r == 0:
+        (root / "COMPLETE").touch()
+    dist.barrier()
+
+
+def load_backend(backend, root: Path) -> dict[str, Any]:
+    """Inverse of `save_backend`, at any layout; returns the loop's extra_state."""
+    if not (root / "COMPLETE").exists():
+        raise FileNotFoundError(f"checkpoint {str(root)!r} is missing or incomplete (no COMPLETE marker)")
+    state = json.loads((root / "trainer_state.json").read_text())
+    if state.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {str(root)!r}: format {state.get('format')!r}, expected {FORMAT!r}")
+    load(backend.chunks, backend._optimizers[MAIN_PHASE], root / DIST_DIR)
+    if backend.critic is not None:
+        backend.critic.load(root)
+    backend._steps[MAIN_PHASE] = int(state["step"])
+    if (state["world_size"], state["layout"]) == (backend.rank.world_size, backend._layout()):
+        _load_rng(root / "rng", backend.rank.rank)   # per-rank streams: only the same ranks continue them
+    else:
+        log.info("checkpoint %s: saved by %d ranks with layout %s, resumed by %d with %s (resharded; "
+                 "RNG streams start fresh)", root, state["world_size"], state["layout"],
+                 backend.rank.world_size, backend._layout())
+    dist.barrier()
+    return dict(state.get("extra_state", {}))
+
+
+def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """{"model": ...} for one chunk, {"model0": ..., "model1": ...} for virtual pipeline chunks."""
+    modules = [getattr(c, "module", c) for c in chunks]
+    if len(modules) == 1:
+        return {"model": modules[0].sharded_state_dict(prefix="")}
+    return {f"model{i}": m.sharded_state_dict(prefix="") for i, m in enumerate(modules)}
+
+
+def _sharded_params(model_sd: dict[str, Any]) -> dict[int, Any]:
+    """id(parameter) -> its ShardedTensor (or factory) in the model's sharded state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(model_sd)
+    return {id(t.data): t for t in nested_values(tensors)}
+
+
+def local_adamw_sharded_state_dict(opt, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """LocalAdamW's main params and moments, each sharded like its model parameter."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    by_param = _sharded_params(model_sd)
+    inner = opt.optimizer
+    out: dict[str, Any] = {"main": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    steps = []
+    for i, (p, main) in enumerate(zip(opt.params, opt.mains)):
+        sharded = by_param.get(id(p))
+        if sharded is None:
+            raise RuntimeError(f"checkpoint: optimizer parameter {i} of shape {tuple(p.shape)} has no entry in "
+                               "the model's sharded_state_dict (a parameter megatron does not checkpoint)")
+        state = inner.state.get(main)
+        if not state:   # no step yet: zeros are what AdamW starts from
+            state = {"exp_avg": torch.zeros_like(main), "exp_avg_sq": torch.zeros_like(main),
+                     "step": torch.zeros(())}
+            inner.state[main] = state
+        out["main"][str(i)] = make_sharded_optimizer_tensor(sharded, main, f"{OPTIM_PREFIX}.main")
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key][str(i)] = make_sharded_optimizer_tensor(sharded, state[key], f"{OPTIM_PREFIX}.{key}")
+        steps.append(float(state["step"]))
+    if len(set(steps)) > 1:
+        raise RuntimeError(f"checkpoint: AdamW step counts differ between parameters ({sorted(set(steps))})")
+    out["step"] = steps[0] if steps else 0.0
+    return out
+
+
+def restore_local_adamw(opt, loaded: dict[str, Any]) -> None:
+    step_on_device = bool(opt.optimizer.defaults.get("fused") or opt.optimizer.defaults.get("capturable"))
+    step = torch.tensor(float(loaded["step"]), device=opt.device if step_on_device else "cpu")
+    with torch.no_grad():
+        for i, (p, main) in enumerate(zip(opt.params, opt.mains)):
+            main.copy_(loaded["main"][str(i)])
+            if main is not p:
+                p.copy_(main)
+            state = opt.optimizer.state.setdefault(main, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key].copy_(loaded[key][str(i)])
+                else:
+                    state[key] = loaded[key][str(i)].to(main.device, main.dtype).clone()
+            state["step"] = step.clone()
+
+
+# The distributed optimizer's state in model space, so that a change of DP size reshards it too.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def sharded_state(chunks: Sequence[torch.nn.Module], opt, *, is_loading: bool = False) -> dict[str, Any]:
+    """The whole sharded state of one model + its optimizer."""
+    model_sd = model_sharded_state_dict(chunks)
+    if hasattr(opt, "mains"):
+        return {**model_sd, OPTIM_PREFIX: local_adamw_sharded_state_dict(opt, model_sd)}
+    return {**model_sd, OPTIM_PREFIX: opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                       metadata=OPTIM_METADATA)}
+
+
+def save(chunks: Sequence[torch.nn.Module], opt, directory: str | Path) -> None:
+    """Collective over every trainer rank: write `directory` (created; must be empty)."""
+    from megatron.core import dist_checkpointing
+
+    from miles.backends.megatron_cpu import cuda_sync_is_noop
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with cuda_sync_is_noop():
+        dist_checkpointing.save(sharded_state(chunks, opt), str(directory), sharded_strategy=("torch_dist", 1))
+
+
+def load(chunks: Sequence[torch.nn.Module], opt, directory: str | Path) -> None:
+    """Collective: read this rank's slices of `directory` into the model and optimizer, whatever
+    layout wrote them."""
+    from megatron.core import dist_checkpointing
+
+    if not Path(directory, "metadata.json").exists():
+        raise FileNotFoundError(f"checkpoint {str(directory)!r} has no dist_checkpointing metadata.json "
+                                "(not a torch_dist checkpoint, or an older per-rank safetensors one)")
+    try:
+        loaded = dist_checkpointing.load(sharded_state(chunks, opt, is_loading=True), str(directory),
+                                         strict="assume_ok_unexpected")
+    except Exception as exc:
+        raise RuntimeError(f"checkpoint {str(directory)!r}: dist_checkpointing could not load it into this "
+                           f"layout: {exc}") from exc
+    modules = [getattr(c, "module", c) for c in chunks]
+    keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
+    for module, key in zip(modules, keys):
+        module.load_state_dict(loaded[key], strict=True)
+    if hasattr(opt, "mains"):
+        restore_local_adamw(opt, loaded[OPTIM_PREFIX])
+    else:
+        opt.optimizer.load_state_dict(loaded[OPTIM_PREFIX])

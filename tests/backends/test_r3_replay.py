@@ -1,0 +1,246 @@
+"""R3 replay on HF Qwen3-MoE: alignment (a replayed index never lands on another token), gradients
+through the dense scores, activation recompute, and the FSDP backend's refusals and metrics."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from miles.algo import LossConfig
+from miles.algo.routing import cp_slice, micro_batch_indices, pack_routing, unpack_routing
+from miles.backends import TrainConfig
+from miles.backends.packing import pack_samples
+from miles.backends.policy import PackedPolicy
+from miles.backends.router_replay import RouterReplay
+from miles.tiny import build_tiny_model
+from miles.wire.messages import Sample
+
+torch.set_num_threads(1)
+E, K = 32, 2                              # 496 distinct top-2 sets: one per token below
+PAIRS = list(itertools.combinations(range(E), K))
+
+
+@pytest.fixture(scope="module")
+def moe_path():
+    return build_tiny_model(arch="qwen3_moe", num_experts=E, num_experts_per_tok=K)
+
+
+def _lm(path, **kw):
+    from transformers import AutoModelForCausalLM
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **kw)
+    lm.config.use_cache = False
+    return lm
+
+
+def pattern(sample: int, pos: int, layer: int) -> tuple[int, int]:
+    """A top-2 set unique to (sample, position, layer) among the tokens of these tests."""
+    return PAIRS[(sample * 97 + pos * 5 + layer * 211) % len(PAIRS)]
+
+
+def unique_samples(lengths, layers, vocab=300, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for s, n in enumerate(lengths):
+        routed = np.array([[pattern(s, t, l) for l in range(layers)] for t in range(n - 1)], np.int32)
+        out.append(Sample(tokens=rng.integers(0, vocab, n).astype(np.int32), response_length=n // 2,
+                          routed_experts=pack_routing(routed, E), group_id=f"g{s}", reward=float(s % 2)))
+    return out
+
+
+def test_layout_padding_packing_and_cp_slicing_keep_each_index_on_its_token():
+    layers, lengths = 2, [8, 4, 12]
+    samples = unique_samples(lengths, layers)
+    order = [2, 0, 1]                      # a micro-batch's own sample order
+    packed = micro_batch_indices([samples[i].routed_experts for i in order], [lengths[i] for i in order], layers, K)
+    tokens = torch.cat([torch.as_tensor(samples[i].tokens, dtype=torch.int64) for i in order])
+    owner = torch.cat([torch.stack([torch.full((lengths[i],), i), torch.arange(lengths[i])], 1) for i in order])
+    assert packed.shape == (sum(lengths), layers, K)
+    for row, (s, t) in enumerate(owner.tolist()):
+        for l in range(layers):
+            want = sorted(pattern(s, t, l)) if t < lengths[s] - 1 else [-1, -1]  # the padded last row
+            assert sorted(packed[row, l].tolist()) == want, (row, s, t, l)
+    bounds = np.concatenate([[0], np.cumsum([lengths[i] for i in order])]).tolist()
+    for cp in (1, 2):
+        got = [cp_slice(torch.cat([owner, packed.flatten(1)], 1), bounds, r, cp) for r in range(cp)]
+        seen = set()
+        for piece in got:
+            for s, t, *idx in piece.tolist():
+                seen.add((s, t))
+                want = [v for l in range(layers) for v in
+                        (pattern(s, t, l) if t < lengths[s] - 1 else (-1, -1))]
+                assert idx == want
+        assert seen == {(s, t) for s in range(3) for t in range(lengths[s])}   # every token once
+        assert torch.equal(torch.cat([cp_slice(tokens, bounds, r, cp) for r in range(cp)]).sort().values,
+                           tokens.sort().values)
+    with pytest.raises(ValueError, match="not a multiple of 2 \\* cp_size = 8"):
+        cp_slice(tokens, bounds, 0, 4)
+
+
+def test_replayed_experts_receive_each_tokens_recorded_set(moe_path):
+    """Through the real model: what mlp.experts receives at row t is the pattern of token t."""
+    lm = _lm(moe_path)
+    layers = lm.config.num_hidden_layers
+    replay = RouterReplay.install(lm)
+    got: dict[int, torch.Tensor] = {}
+    for l in range(layers):
+        lm.model.layers[l].mlp.experts.register_forward_pre_hook(
+            lambda m, args, l=l: got.__setitem__(l, args[1].clone()))
+    lengths, order = [9, 5, 14], [1, 2, 0]
+    samples = unique_samples(lengths, layers, vocab=lm.config.vocab_size)
+    mb = pack_samples([samples[i].tokens for i in order], [samples[i].response_length for i in order],
+                      [np.ones(samples[i].response_length, np.uint8) for i in order], [None] * 3, order,
+                      torch.device("cpu"))
+    policy = PackedPolicy(lm, packed_attention=False)
+    indices = micro_batch_indices([samples[i].routed_experts for i in order], [lengths[i] for i in order], layers, K)
+    with replay.micro_batch(indices, replay=True):
+        policy.run(mb.inputs)
+    row = 0
+    for s in order:
+        for t in range(lengths[s] - 1):
+            for l in range(layers):
+                assert sorted(got[l][row].tolist()) == sorted(pattern(s, t, l)), (s, t, l)
+            row += 1
+        row += 1                            # the sample's last token: native routing (sentinel row)
+    m = replay.take_metrics()
+    assert m["routing_agreement"] == 1.0
+    assert m["routing_native_agreement"] < 0.2   # random patterns: the model's own choice rarely matches
+    assert m["routing_replay_sentinel_rows"] == 3 * layers
+
+
+def test_weights_come_from_dense_scores_and_reach_the_router(moe_path):
+    lm = _lm(moe_path)
+    router = lm.model.layers[0].mlp.gate
+    replay = RouterReplay.install(lm)
+    h = torch.randn(6, lm.config.hidden_size)
+    with torch.no_grad():
+        probs = torch.softmax(h @ router.weight.T, -1)
+    worst = probs.argsort(-1)[:, :K]        # the two experts the model would never pick
+    idx = torch.stack([worst, worst], 1)[:, :lm.config.num_hidden_layers]
+    with replay.micro_batch(idx, replay=True):
+        _, weights, used = router(h)
+        (weights * torch.arange(1.0, K + 1)).sum().backward()
+    assert torch.equal(used, worst)
+    want = probs.gather(1, worst)
+    assert torch.allclose(weights, want / want.sum(-1, keepdim=True), atol=1e-6)   # norm_topk_prob
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    with replay.micro_batch(idx, replay=False):   # measured, not replayed: the model's own top-k
+        assert not torch.equal(router(h)[2], worst)
+
+
+def test_gradient_checkpointing_recompute_uses_the_same_indices(moe_path):
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        lm = _lm(moe_path)
+        lm.train()
+        if checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = lm.config.num_hidden_layers
+        replay = RouterReplay.install(lm)
+        seen = []
+        lm.model.layers[0].mlp.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1].clone()))
+        samples = unique_samples([10, 7], layers, vocab=lm.config.vocab_size, seed=1)
+        mb = pack_samples([s.tokens for s in samples], [s.response_length for s in samples],
+                          [np.ones(s.response_length, np.uint8) for s in samples], [None] * 2, [0, 1],
+                          torch.device("cpu"))
+        indices = micro_batch_indices([s.routed_experts for s in samples], [10, 7], layers, K)
+        with replay.micro_batch(indices, replay=True):
+            logp, _ = PackedPolicy(lm, packed_attention=False).run(mb.inputs)
+            logp.sum().backward()
+        calls.append(replay.router_calls)
+        assert all(torch.equal(seen[0], x) for x in seen)
+        assert replay.take_metrics()["routing_agreement"] == 1.0    # a recompute is not counted twice
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None})
+    assert calls == [2, 4]                   # the recompute re-ran both routers, inside the context
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
+
+
+def test_wire_dtype_round_trip_and_bad_values():
+    raw = np.array([[[0, 7], [-1, -1]], [[254, 3], [1, 2]]], np.int32)
+    small = pack_routing(raw)
+    assert small.dtype == np.uint8 and small[0, 1].tolist() == [255, 255]
+    assert unpack_routing(small).tolist() == raw.tolist()
+    big = pack_routing(np.array([[[300, -1]]], np.int32))
+    assert big.dtype == np.uint16 and big.tolist() == [[[300, 65535]]]
+    assert pack_routing(raw, num_experts=512).dtype == np.uint16    # the model decides when known
+    with pytest.raises(ValueError, match="expert id 8 outside \\[0, 8\\)"):
+        pack_routing(np.array([[[8, 1]]], np.int32), num_experts=8)
+    with pytest.raises(ValueError, match="value -2 < -1"):
+        pack_routing(np.array([[[-2, 1]]], np.int32))
+    with pytest.raises(ValueError, match="expected shape \\(tokens - 1, layers, top_k\\)"):
+        pack_routing(np.zeros((3, 2), np.int32))
+
+
+# ---- the FSDP backend (one rank, gloo) -----------------------------------------------------
+
+def _native_routing(path, samples, flip_every=0):
+    """The model's own top-k per token (what an fp32 engine records), optionally altered."""
+    lm = _lm(path)
+    layers = lm.config.num_hidden_layers
+    out = []
+    for s in samples:
+        rows = []
+        hooks = [lm.model.layers[l].mlp.gate.register_forward_hook(
+            lambda m, a, o, l=l: rows.append((l, o[2].clone()))) for l in range(layers)]
+        with torch.no_grad():
+            lm.model(input_ids=torch.as_tensor(s.tokens, dtype=torch.int64)[None])
+        for h in hooks:
+            h.remove()
+        arr = torch.stack([dict(rows)[l] for l in range(layers)], 1)[:-1].numpy().astype(np.int32)
+        if flip_every:
+            arr[::flip_every, :, 0] = (arr[::flip_every, :, 0] + 1) % lm.config.num_experts
+            arr[::flip_every, :, 1] = np.where(arr[::flip_every, :, 1] == arr[::flip_every, :, 0],
+                                               (arr[::flip_every, :, 1] + 1) % lm.config.num_experts,
+                                               arr[::flip_every, :, 1])
+        out.append(pack_routing(arr))
+    return out
+
+
+def _batch(path, vocab):
+    rng = np.random.default_rng(3)
+    samples = []
+    for g in range(3):
+        for j in range(2):
+            n, r = int(rng.integers(10, 20)), int(rng.integers(3, 8))
+            samples.append(Sample(tokens=rng.integers(0, vocab, n).astype(np.int32), response_length=r,
+                                  rollout_logprobs=np.full(r, -1.0, np.float32), reward=float(j),
+                                  group_id=f"g{g}", status="completed"))
+    return samples
+
+
+def test_backend_replay_agreement_and_refusals(moe_path, backends):
+    import msgspec
+    cfg = TrainConfig(model_path=str(moe_path), param_dtype="float32", lr=0.0, router_replay=True,
+                      old_logprobs="recompute", attention="sdpa")
+    backend = backends(cfg, LossConfig())
+    samples = _batch(moe_path, backend.vocab_size)
+    native = _native_routing(moe_path, samples)
+    flipped = _native_routing(moe_path, samples, flip_every=2)
+    exact = [msgspec.structs.replace(s, routed_experts=r) for s, r in zip(samples, native)]
+    m = backend.train(exact)
+    assert m["routing_agreement"] == 1.0 and m["routing_native_agreement"] == 1.0
+    m = backend.train([msgspec.structs.replace(s, routed_experts=r) for s, r in zip(samples, flipped)])
+    assert m["routing_agreement"] == 1.0            # replayed: the experts got the rollout's sets
+    assert 0.4 < m["routing_native_agreement"] < 0.6   # every other row flipped (lr 0: the same weights)
+    missing = list(exact)
+    missing[3] = msgspec.structs.replace(missing[3], routed_experts=None)
+    with pytest.raises(ValueError, match=r"sample 3 \(group_id='g1'.*routed_experts: missing.*rollout.r3"):
+        backend.train(missing)
+    short = list(exact)
+    short[1] = msgspec.structs.replace(short[1], routed_experts=short[1].routed_experts[:-1])
+    with pytest.raises(ValueError, match=r"sample 1 .*routed_experts: shape"):
+        backend.train(short)
+    from miles.backends.base import TrainPhase
+    sft = TrainPhase("sft", msgspec.structs.replace(LossConfig(), loss_type="sft"), cfg)
+    assert np.isfinite(backend.train(samples, sft)["loss"])   # a warm-start has no routing: not replayed
+
+
+def test_dense_model_with_replay_is_refused(backends):
+    path = build_tiny_model(arch="qwen3")
+    with pytest.raises(ValueError, match="train.router_replay = true .* no MoE router"):
+        backends(TrainConfig(model_path=str(path), param_dtype="float32", router_replay=True), LossConfig())
