@@ -6,7 +6,7 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--device cpu|cuda] [--dtype float32|bfloat16] [--max-running-requests N] \
         [--max-total-tokens N] [--context-length N] [--enable-return-routed-experts] \
         [--weight-version default] [--served-model-name NAME] [--random-seed N] \
-        [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
+        [--tp-size N] [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
         [--cuda-graph-precapture-kv N] [--prefill-interval-steps N] [--log-stats-interval-s S] \
         [--prefill-attention auto|varlen|sdpa] [--load-format auto|safetensors|dummy] \
         [--inline-steps auto|all|prefill|none] \
@@ -31,7 +31,9 @@ Design decisions (details in miles/engines/embedded_engine/*):
 - Real generation, not a mock: a Qwen-family forward over HF weights (Qwen2, Qwen3, Qwen3-MoE,
   Llama; fp32/bf16; CPU/CUDA) whose fp32 logits match transformers within 1e-5 (model.py), a
   token-slot KV pool (kv_cache.py), continuous batching with retraction (scheduler.py), seeded
-  per-request sampling (sampling.py), CUDA graphs for dense decode (runner.py).
+  per-request sampling (sampling.py), CUDA graphs for dense decode (runner.py), a prefix cache
+  over token ids that keeps finished requests' KV for the next turn of a session
+  (prefix_cache.py; on by default, `--disable-radix-cache` as in SGLang).
 - Logprobs are `log_softmax(logits / temperature)` (the temperature-scaled distribution,
   before top-k/top-p/min-p and masking; temperature 1 for greedy requests) of the forward the
   token was sampled from: what the trainer recomputes at `train.temperature`. The SGLang launcher
@@ -44,9 +46,18 @@ Design decisions (details in miles/engines/embedded_engine/*):
   `/weights_checksum`, `/update_weights_from_delta` (disk-delta, delta.py) and CUDA IPC buckets
   (`load_format: "miles_cuda_ipc"`, weights.py). `--load-format dummy` skips the checkpoint's
   weights (benchmarks of the update paths).
-- What it does not do: tensor/data parallelism (tp_size = dp_size = 1), prefix/radix caching
-  (`cached_tokens` is always 0), grammars, penalties, speculative decoding, LoRA, multimodal
-  input; those get a 400 that says so.
+- Tensor parallelism (`--tp-size N`, embedded_engine/tp.py): this process is TP rank 0 (HTTP,
+  scheduler, sampling) and starts ranks 1..N-1, each holding only its slices (miles.weights.p2p's
+  TP_RULES; MoE experts by EP over the same ranks); each step rank 0 broadcasts the step's inputs
+  and every rank runs the same forward (all-reduce after o_proj / down_proj / experts, the
+  vocab-parallel logits all-gathered). gloo on CPU, NCCL on CUDA; CUDA graphs are off at tp > 1.
+  Weight updates at tp > 1: `/update_weights_from_disk` (each rank its slices of the files) and
+  the P2P transfer (`/init_p2p_group` + `/update_weights_from_p2p`, p2p_routes.py: each rank
+  receives its slices from the trainer ranks); `/weights_checksum` gathers each full tensor to
+  rank 0 and hashes it there, so digests equal a tp=1 engine's. The one-rank update paths
+  (tensor, distributed, delta, CUDA IPC) answer 400 at tp > 1.
+- What it does not do: data parallelism (dp_size = 1: run several engines behind smg),
+  grammars, penalties, speculative decoding, LoRA, multimodal input; those get a 400 that says so.
 """
 
 from __future__ import annotations
@@ -56,6 +67,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -86,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: do not read the checkpoint's weights (config.json only); they stay "
                         "zero until a weight update (benchmarks of the update paths)")
+    p.add_argument("--quantization", default=None,
+                   choices=["fp8", "mxfp8", "mxfp4", "nvfp4", "int4", "int4_asym"],
+                   help="weight updates arrive quantized (SGLang names); dequantized on load, "
+                        "matmuls emulated in --dtype (miles/engines/embedded_engine/quantized.py)")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
@@ -99,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-kv", type=float, default=0.5,
                    help="fraction of free device memory for the KV pool when --max-total-tokens is unset")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op CPU threads")
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks: this process is rank 0 and starts the others "
+                        "(CPU: gloo; cuda: rank r on GPU device+r, NCCL)")
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--log-level", default="info")
     p.add_argument("--prefill-interval-steps", type=int, default=4,
@@ -108,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inline-steps", choices=("auto", "all", "prefill", "none"), default="auto",
                    help="which steps run on the event loop rather than the compute thread "
                         "(auto: all on CPU, none on CUDA)")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix cache: every request prefills its whole input (SGLang's flag)")
+    p.add_argument("--prefix-cache-max-share", type=_share, default=0.5,
+                   help="the prefix cache holds at most this share of the KV pool (0 to 1)")
     limits = p.add_argument_group("request limits (per /generate call; over one is a 400)")
     limits.add_argument("--max-n", type=_positive_int, default=64, help="sampling_params.n")
     limits.add_argument("--max-batch-size", type=_positive_int, default=1024,
@@ -125,24 +156,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_server(args):
-    """Load the model and return the EngineServer (no sockets yet)."""
+    """Load the model and return the EngineServer (no sockets yet). At --tp-size N > 1 this
+    process is TP rank 0: it starts ranks 1..N-1 (embedded_engine/tp.py) and joins them."""
     import torch
 
-    from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
+    from miles.engines.embedded_engine.runner import ModelRunner, runner_config
     from miles.engines.embedded_engine.server import EngineServer
 
-    if args.tp_size != 1 or args.dp_size != 1:
-        raise SystemExit(f"--tp-size {args.tp_size} --dp-size {args.dp_size}: the embedded engine "
-                         "runs one rank; start several engines behind smg instead")
+    if args.dp_size != 1:
+        raise SystemExit(f"--dp-size {args.dp_size}: the embedded engine runs one data-parallel "
+                         "rank; start several engines behind smg instead")
+    if args.tp_size < 1:
+        raise SystemExit(f"--tp-size {args.tp_size}: expected an integer >= 1")
     torch.set_num_threads(max(1, args.torch_threads))
-    cfg = RunnerConfig(device=args.device, dtype=args.dtype,
-                       max_running_requests=args.max_running_requests,
-                       max_total_tokens=args.max_total_tokens, context_length=args.context_length,
-                       cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
-                       mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format,
-                       prefill_attention=args.prefill_attention)
-    runner = ModelRunner(args.model_path, cfg)
+    tp = workers = None
+    device = args.device
+    if args.tp_size > 1:
+        from miles.engines.embedded_engine import tp as TP
+        from miles.engines.embedded_engine.model import check_tp_split, load_hf_config, shape_from_config
+        if args.quantization:
+            raise SystemExit(f"--quantization {args.quantization} with --tp-size {args.tp_size}: "
+                             "quantized updates are wired for one rank only")
+        try:  # refuse a model that does not split before starting any worker
+            check_tp_split(shape_from_config(load_hf_config(args.model_path)), args.tp_size)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        from miles.engines.procs import free_port
+        port = free_port()
+        workers = TP.Workers(list(getattr(args, "argv", None) or sys.argv[1:]), args.tp_size,
+                             port).start()
+        device = TP.rank_device(args.device, 0)
+        try:
+            tp = TP.join_tp_group(0, args.tp_size, port, device)
+        except BaseException:
+            workers.stop()
+            raise
+    runner = ModelRunner(args.model_path, runner_config(args, device), tp=tp)
     tokenizer = None
     if not args.skip_tokenizer_init:
         try:
@@ -150,11 +199,14 @@ def build_server(args):
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         except Exception as e:  # a model dir without a tokenizer still serves input_ids
             logging.getLogger(__name__).warning("no tokenizer (%s); serving input_ids only", e)
-    return EngineServer(runner, tokenizer, args)
+    server = EngineServer(runner, tokenizer, args)
+    server.tp_workers = workers
+    return server
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what TP workers are started with
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -103,6 +103,20 @@ class SGLangServerArgs(msgspec.Struct, frozen=True, kw_only=True):
         return f"http://{self.host}:{self.port}"
 
 
+def recipe_server_args(recipe, index: int, port: int) -> SGLangServerArgs:
+    """Engine `index` of a recipe's fleet (`engine.kind = "sglang"`): its layout from `[engine]`,
+    its GPUs after the previous engines' (base_gpu_id + index * tp * dp), `engine.context_length`,
+    R3 capture when the rollout asks for routed experts."""
+    cfg = recipe.engine
+    return SGLangServerArgs(
+        model_path=recipe.model.path, port=port, tp_size=cfg.tp_size, dp_size=cfg.dp_size,
+        ep_size=cfg.ep_size, mem_fraction_static=cfg.mem_fraction_static,
+        base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size * cfg.dp_size,
+        enable_routed_experts=recipe.rollout.return_routed_experts,
+        # the context the recipe's checks bound max_new_tokens by; the table may say otherwise
+        extra_args={"context_length": cfg.context_length, **cfg.sglang})
+
+
 def passthrough_flags(table: Mapping[str, Any], *, section: str = "engine.sglang") -> list[str]:
     """Turn the recipe table `[engine.sglang]` into SGLang CLI flags (rules above)."""
     return table_to_flags(table, section=section, owned=_OWNED_KEYS)

@@ -41,6 +41,10 @@ class TransferStats:
     buckets: int = 0        # buckets that went to the engines (after coalescing)
     payload_bytes: int = 0  # bytes actually written/sent (a delta is smaller than `bytes`)
     direct_tensors: int = 0  # nccl: tensors sent zero-copy (`direct_min_bytes`)
+    changed_elements: int = 0  # disk_delta: elements that differ from the engines' version
+    elements: int = 0          # disk_delta: elements compared (0: not counted)
+    load_s: float = 0.0     # the tail of the transfer spent waiting for the engines to load it
+    #                         (final barrier, load call); the publisher reports it as load time
 
 
 class GateClosed(RuntimeError):
@@ -106,3 +110,68 @@ class WeightTransport(ABC):
 
     def close(self) -> None:
         """Release the links made by `connect` (optional)."""
+
+
+class DelegatingTransport(WeightTransport):
+    """A transport that wraps another (quantize-on-export, the checksum tap): every call and
+    attribute goes to `inner` unless the wrapper overrides it, so a wrapper states only what it adds."""
+
+    def __init__(self, inner: WeightTransport):
+        self.inner = inner
+
+    @property
+    def is_sender(self) -> bool:  # type: ignore[override]
+        return self.inner.is_sender
+
+    @property
+    def pause_during_transfer(self) -> bool:  # type: ignore[override]
+        return self.inner.pause_during_transfer
+
+    @property
+    def sets_version(self) -> bool:  # type: ignore[override]
+        return self.inner.sets_version
+
+    @property
+    def uses_send_gate(self) -> bool:  # type: ignore[override]
+        return self.inner.uses_send_gate
+
+    @property
+    def send_gate(self):  # type: ignore[override]
+        return self.inner.send_gate
+
+    @send_gate.setter
+    def send_gate(self, gate) -> None:
+        self.inner.send_gate = gate
+
+    @property
+    def stats(self) -> TransferStats:
+        return self.inner.stats
+
+    def connect(self, engine_urls: list[str]) -> None:
+        self.inner.connect(engine_urls)
+
+    def begin(self, version: int) -> None:
+        self.inner.begin(version)
+
+    def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.inner.send_bucket(named_tensors)
+
+    def finish(self, version: int) -> None:
+        self.inner.finish(version)
+
+    def prepare(self, version: int) -> None:
+        self.inner.prepare(version)
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
+    def abandon(self, version: int) -> None:
+        self.inner.abandon(version)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str):  # transport-specific attributes (engine_dtype, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -4,6 +4,9 @@ Design decisions:
 - The trainer's side is computed on the very tensors that stream through `send_bucket` (HF
   names, full tensors), cast to the engines' dtype first, so nothing extra is gathered and the
   check covers renaming and expert splitting too. `ChecksumTap` wraps any transport to do that.
+- With a quantized rollout (miles/quant/export.py) the tap checksums `engine_view(name, tensor)`,
+  the trainer's dequantize(quantize(w)), against the engine's dequantized parameter: the
+  bit-exact contract of the formats, checked at every publish.
 - The engine's side is `/weights_checksum` (an embedded-engine extension: sha256 of each
   parameter's raw bytes, by checkpoint name). A mismatch raises naming the engine, how many
   parameters differ and the first few, with both digests; a parameter on one side only is a
@@ -28,7 +31,7 @@ import hashlib
 
 import torch
 
-from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.base import DelegatingTransport, WeightTransport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,7 +77,7 @@ def device_digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> str:
 CHECKSUMS = {"device": device_digest, "sha256": tensor_sha256}
 
 
-class ChecksumTap(WeightTransport):
+class ChecksumTap(DelegatingTransport):
     """Forwards every call to `inner` and records the checksum of each tensor it sends."""
 
     def __init__(self, inner: WeightTransport, algorithm: str = "auto"):
@@ -84,37 +87,7 @@ class ChecksumTap(WeightTransport):
         self.algorithm = algorithm
         self.checksum_dtype: torch.dtype | None = None   # the publisher sets the engines' dtype
         self.sent_checksums: dict[str, str] = {}
-
-    @property
-    def is_sender(self) -> bool:  # type: ignore[override]
-        return self.inner.is_sender
-
-    @property
-    def pause_during_transfer(self) -> bool:  # type: ignore[override]
-        return self.inner.pause_during_transfer
-
-    @property
-    def sets_version(self) -> bool:  # type: ignore[override]
-        return self.inner.sets_version
-
-    @property
-    def uses_send_gate(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_send_gate
-
-    @property
-    def send_gate(self):  # type: ignore[override]
-        return self.inner.send_gate
-
-    @send_gate.setter
-    def send_gate(self, gate) -> None:
-        self.inner.send_gate = gate
-
-    @property
-    def stats(self) -> TransferStats:
-        return self.inner.stats
-
-    def connect(self, engine_urls: list[str]) -> None:
-        self.inner.connect(engine_urls)
+        self.engine_view = None  # (name, tensor) -> what the engine holds; None: the tensor itself
 
     def begin(self, version: int) -> None:
         self.sent_checksums = {}
@@ -124,28 +97,9 @@ class ChecksumTap(WeightTransport):
         for name, t in named_tensors:
             if self.algorithm == "auto":
                 self.algorithm = "device" if t.is_cuda else "sha256"
-            self.sent_checksums[name] = CHECKSUMS[self.algorithm](t, self.checksum_dtype)
+            view = t if self.engine_view is None else self.engine_view(name, t)
+            self.sent_checksums[name] = CHECKSUMS[self.algorithm](view, self.checksum_dtype)
         self.inner.send_bucket(named_tensors)
-
-    def finish(self, version: int) -> None:
-        self.inner.finish(version)
-
-    def prepare(self, version: int) -> None:
-        self.inner.prepare(version)
-
-    def commit(self, version: int) -> None:
-        self.inner.commit(version)
-
-    def abandon(self, version: int) -> None:
-        self.inner.abandon(version)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str):  # transport-specific attributes (engine_dtype, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 def compare_checksums(trainer: dict[str, str], engine: dict[str, str], *, url: str, version: int,

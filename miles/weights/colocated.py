@@ -15,6 +15,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from miles.weights.base import TransferStats, WeightTransport
@@ -88,7 +90,9 @@ class ColocatedTransport(WeightTransport):
         try:
             if self._error is None:
                 self._coalescer.flush()
+                t = time.perf_counter()  # the engines copying the last buckets out of the handles
                 self._pipeline.drain()
+                self._stats.load_s = time.perf_counter() - t
                 self._stats.buckets = self._coalescer.buckets
                 self._stats.payload_bytes = self._stats.bytes
         except Exception as e:  # noqa: BLE001

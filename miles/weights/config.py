@@ -1,7 +1,8 @@
 """WeightsConfig: how new weights reach the engines, as one msgspec Struct with its defaults here.
 
 Design decisions:
-- The recipe picks the path with one key, `transport` (nccl | colocated | disk | disk_delta);
+- The recipe picks the path with one key, `transport` (nccl | colocated | disk | disk_delta |
+  p2p: every trainer rank sends each embedded-engine TP rank only its slices, miles/weights/p2p.py);
   every other key has a default that suits it, and keys of other transports are simply unused.
 - Every engine-facing step has its own timeout, because each fails differently: a pause that
   hangs means a wedged engine, a bucket that hangs means a broken group, a slow prepare means a
@@ -19,7 +20,7 @@ from typing import Literal
 
 import msgspec
 
-TransportName = Literal["nccl", "colocated", "disk", "disk_delta"]
+TransportName = Literal["nccl", "colocated", "disk", "disk_delta", "p2p"]
 PauseMode = Literal["in_place", "retract"]
 GroupBackend = Literal["auto", "nccl", "gloo"]
 DeltaCodec = Literal["zlib", "lzma", "zstd"]
@@ -51,7 +52,8 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     commit_timeout_s: float = 600.0      # disk / disk_delta: engines load or swap the new weights
     check_timeout_s: float = 600.0       # /weights_checksum
 
-    # --- nccl: one process group of trainer rank 0 and every engine rank ---
+    # --- nccl: one process group of trainer rank 0 and every engine rank (p2p: of every trainer
+    #     rank and every engine rank; the same address, port, backend and timeouts) ---
     master_address: str = "127.0.0.1"    # the trainer's address as the engines reach it
     master_port: int = 0                 # 0: pick a free port
     group_name: str = "miles_weights"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -120,9 +121,11 @@ class DiskTransport(WeightTransport):
                 self._write_shard()
             self._seal()
             self._stats.payload_bytes = self._stats.bytes
+            t = time.perf_counter()
             self._calls.call_all("update_weights_from_disk", str(self._final), weight_version=str(version),
                                  what=f"version {version}: /update_weights_from_disk {self._final}",
                                  timeout_s=self.cfg.commit_timeout_s)
+            self._stats.load_s = time.perf_counter() - t
             prune(self.root, "v", self.cfg.keep_versions)
         except BaseException:
             shutil.rmtree(self._tmp, ignore_errors=True)

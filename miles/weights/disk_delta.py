@@ -110,6 +110,7 @@ class DiskDeltaTransport(WeightTransport):
                                              level=self.cfg.delta_level,
                                              chunk_bytes=self.cfg.delta_chunk_bytes, pool=self._pool)
                 digest = sha256(new)
+                self._count_changed(new, base)
                 items.append((name, dtype_name, list(t.shape), kind, chunks, digest,
                               self._base_sha.get(name) if kind == "xor" else None))
                 self._next[name], self._next_sha[name] = new, digest
@@ -117,6 +118,17 @@ class DiskDeltaTransport(WeightTransport):
             self._stats.buckets += 1
         except Exception as e:  # noqa: BLE001
             self._error = e
+
+    def _count_changed(self, new: np.ndarray, base: np.ndarray | None) -> None:
+        """Elements of the engine dtype that differ from the base (all of them without one)."""
+        size = self.engine_dtype.itemsize
+        n = new.nbytes // size
+        self._stats.elements += n
+        if base is None or base.nbytes != new.nbytes:
+            self._stats.changed_elements += n
+            return
+        as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+        self._stats.changed_elements += int(np.count_nonzero(new.view(as_int) != base.view(as_int)))
 
     def finish(self, version: int) -> None:
         if self._writer is None:

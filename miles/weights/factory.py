@@ -5,7 +5,10 @@ Design decisions:
   NCCL, and `miles.weights` stays cheap to import (the embedded engine imports parts of it).
 - The trainer rank decides who sends: trainer rank 0 for nccl, disk and disk_delta (the others
   still gather, collectively, and drop the tensors); every rank for colocated (each feeds the
-  engine on its own GPU).
+  engine on its own GPU) and for p2p (each sends the rows it holds to the engine ranks that need
+  them).
+- With `quant.rollout` set the transport is wrapped in a QuantizingTransport (miles/quant), which
+  sends each bucket in that format; the checksum tap then checks the dequantized values.
 - With `check_weights` the sender's transport is wrapped in a ChecksumTap, which records the
   sha256 of every tensor it sends for the publisher to compare with the engines'.
 """
@@ -42,9 +45,28 @@ def make_transport(config: WeightsConfig, *, rank: Any = 0, world_size: int | No
     elif name == "disk_delta":
         from miles.weights.disk_delta import DiskDeltaTransport
         transport = DiskDeltaTransport(config, is_sender=r == 0)
+    elif name == "p2p":
+        from miles.weights.p2p import P2PTransport
+        transport = P2PTransport.for_engines(config, rank=r, world_size=world)
     else:
-        raise ValueError(f"weights.transport={name!r} is not one of nccl, colocated, disk, disk_delta")
+        raise ValueError(f"weights.transport={name!r} is not one of nccl, colocated, disk, "
+                         "disk_delta, p2p")
+    quant = getattr(recipe, "quant", None)
+    if name == "p2p" and quant is not None and quant.format is not None:
+        raise ValueError(f"weights.transport='p2p' with quant.format={quant.format!r}: quantized "
+                         "updates are not wired for the P2P transfer (its plan cuts the tensors "
+                         "the engine holds); use weights.transport='nccl'")
+    if quant is not None and quant.format is not None:  # miles/quant/export.py
+        from miles.quant.export import QuantizingTransport
+        from miles.quant.keep import KeepList
+        # float8 goes over a process group as its bytes: gloo has no float8 type, and bytes
+        # are what NCCL moves anyway (the engine reinterprets them; it knows its format)
+        raw_fp8 = name == "nccl"
+        transport = QuantizingTransport(transport, quant.format, KeepList(quant.keep_bf16),
+                                        group_size=quant.int4_group_size, raw_fp8=raw_fp8)
     if config.check_weights and transport.is_sender:
         from miles.weights.checks import ChecksumTap
+        view = getattr(transport, "engine_view", None)
         transport = ChecksumTap(transport, config.checksum)
+        transport.engine_view = view
     return transport

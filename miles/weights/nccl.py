@@ -192,9 +192,11 @@ class NcclTransport(WeightTransport):
                 self._stats.payload_bytes = self._stats.bytes
                 self._wait_gate()  # (no bucket at all: still not before the pause)
                 # The barrier: every engine completes its last bucket before it answers.
+                t = time.perf_counter()
                 self._calls.call_all("update_weight_version", str(version),
                                      what=f"version {version}: final barrier",
                                      timeout_s=self.cfg.bucket_timeout_s)
+                self._stats.load_s = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         finally:

@@ -32,6 +32,8 @@ Design decisions:
   publish is the trainer's job (actors/trainer.py): it asks `reachable_engines()`, reconnects the
   transport to the survivors and publishes again, because the gather that feeds the transport is
   a collective that every trainer rank must repeat.
+- Stall time is the figure (`PublishReport.metrics`): pause request -> resume answer, split into
+  pause, transfer, load, version and resume on one clock, so the parts add up to it exactly.
 - `check_weights` compares every engine parameter's checksum (`/weights_checksum`, the
   `weights.checksum` algorithm) with what the trainer sent (checks.py) after the engines are
   resumed, and raises on the first mismatch.
@@ -79,6 +81,29 @@ class PublishReport(msgspec.Struct, kw_only=True):
     buckets: int = 0
     direct_tensors: int = 0  # nccl: sent zero-copy, straight into engine parameters
     checked: bool = False
+    # Stall time: the engines serve nothing from the pause request to the resume answer.
+    # stall_s = pause_s + stall_transfer_s + load_s + version_s + resume_s, exactly (one clock,
+    # consecutive timestamps). With a send gate the gather starts with the pause, so only the
+    # transfer that outlasts the pause counts; disk_delta's transfer and prepare run while the
+    # engines serve (transfer_s, prepare_s) and its load is the commit (the swap).
+    stall_s: float = 0.0
+    pause_s: float = 0.0          # pause request -> every engine answered paused
+    stall_transfer_s: float = 0.0  # paused -> transfer done, less load_s
+    load_s: float = 0.0           # engines loading what was sent (the transport's last wait, or commit)
+    version_s: float = 0.0        # /update_weight_version on every engine
+    resume_s: float = 0.0         # /continue_generation on every engine
+    background_s: float = 0.0     # disk_delta: transfer + prepare while the engines serve
+    changed_frac: float | None = None  # disk_delta: fraction of elements the version changed
+
+    def metrics(self) -> dict[str, float]:
+        """The step metrics of this publish (`weights/...`), as the driver logs them."""
+        return {"weights/stall_s": self.stall_s, "weights/pause_s": self.pause_s,
+                "weights/transfer_s": self.stall_transfer_s, "weights/load_s": self.load_s,
+                "weights/version_s": self.version_s, "weights/resume_s": self.resume_s,
+                "weights/background_s": self.background_s,
+                "weights/publish_s": self.seconds, "weights/bytes": float(self.bytes),
+                "weights/payload_bytes": float(self.payload_bytes),
+                **({} if self.changed_frac is None else {"weights/changed_frac": self.changed_frac})}
 
 
 class WeightPublisher:
@@ -126,7 +151,8 @@ class WeightPublisher:
             await self._prepare_check(version)
         step, failure = "pause", None
         paused_at = resumed_at = None
-        transfer_s = prepare_s = 0.0
+        transfer_s = prepare_s = load_s = 0.0
+        asked_at = transferred_at = versioned_at = None  # stall clock (see PublishReport)
         gated = tr.pause_during_transfer and tr.uses_send_gate
         try:
             t = time.perf_counter()
@@ -137,7 +163,7 @@ class WeightPublisher:
                     run_update, timeout_s=cfg.transfer_timeout_s,
                     what=f"run_update (gather + send of version {version})"))
             if tr.pause_during_transfer:
-                paused_at = time.perf_counter()
+                paused_at = asked_at = time.perf_counter()
                 try:
                     await self._pause(version)
                 except BaseException:
@@ -154,7 +180,9 @@ class WeightPublisher:
                 transfer = self._in_thread(run_update, timeout_s=cfg.transfer_timeout_s,
                                            what=f"run_update (gather + send of version {version})")
             await transfer
-            transfer_s = time.perf_counter() - t
+            transferred_at = time.perf_counter()
+            transfer_s = transferred_at - t
+            load_s = tr.stats.load_s
             if not tr.pause_during_transfer:
                 step = "prepare"
                 t = time.perf_counter()
@@ -162,15 +190,18 @@ class WeightPublisher:
                                       what="prepare")
                 prepare_s = time.perf_counter() - t
                 step = "pause"
-                paused_at = time.perf_counter()
+                paused_at = asked_at = time.perf_counter()
                 await self._pause(version)
                 paused_at = time.perf_counter()
                 step = "commit"
                 await self._in_thread(tr.commit, version, timeout_s=cfg.commit_timeout_s + 30.0,
                                       what="commit")
+                transferred_at = time.perf_counter()
+                load_s = transferred_at - paused_at
             step = "version"
             if not tr.sets_version:
                 await self._each("update_weight_version", version, timeout_s=cfg.control_timeout_s)
+            versioned_at = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - CancelledError too: engines must resume
             failure = e
             try:
@@ -204,6 +235,12 @@ class WeightPublisher:
             transfer_s=transfer_s, prepare_s=prepare_s, check_s=check_s, tensors=stats.tensors,
             bytes=stats.bytes, payload_bytes=stats.payload_bytes, buckets=stats.buckets,
             direct_tensors=stats.direct_tensors, checked=cfg.check_weights)
+        if not tr.pause_during_transfer:
+            report.background_s = transfer_s + prepare_s
+        if stats.elements:
+            report.changed_frac = stats.changed_elements / stats.elements
+        if asked_at is not None and resumed_at is not None:
+            _stall_parts(report, asked_at, paused_at, transferred_at, versioned_at, resumed_at, load_s)
         self.last_report = report
         log.info("published version %d via %s: %.1f MiB (%.1f MiB moved) in %.3f s, paused %.3f s",
                  version, cfg.transport, report.bytes / 2**20, report.payload_bytes / 2**20,
@@ -317,6 +354,20 @@ async def reachable_engines(engine_urls: list[str], *, timeout_s: float) -> list
 
     verdicts = await asyncio.gather(*(alive(u) for u in engine_urls))
     return [u for u, ok in zip(engine_urls, verdicts) if ok]
+
+
+def _stall_parts(report: PublishReport, asked_at: float, paused_at: float, transferred_at: float,
+                 versioned_at: float, resumed_at: float, load_s: float) -> None:
+    """Split asked_at -> resumed_at into its consecutive parts. A gated transfer may end before
+    the pause does (then none of it stalled); the transport's load wait is part of its transfer."""
+    transferred_at = max(transferred_at, paused_at)
+    in_pause = transferred_at - paused_at
+    report.pause_s = paused_at - asked_at
+    report.load_s = min(max(load_s, 0.0), in_pause)
+    report.stall_transfer_s = in_pause - report.load_s
+    report.version_s = versioned_at - transferred_at
+    report.resume_s = resumed_at - versioned_at
+    report.stall_s = resumed_at - asked_at
 
 
 def _reason(e: BaseException, timeout_s: float) -> str:

@@ -285,7 +285,8 @@ async def test_inline_steps_pick_which_steps_run_on_the_event_loop(mode, short_p
     sch.start()
     try:
         for n in (10, INLINE_MAX_TOKENS + 1):
-            req = Request(rid=f"n{n}", input_ids=[5] * n, params=SamplingParams(temperature=0.0),
+            # distinct tokens: a prefix cache hit would shorten the long prefill below the limit
+            req = Request(rid=f"n{n}", input_ids=[5 + n % 7] * n, params=SamplingParams(temperature=0.0),
                           seed=0, max_new_tokens=3)
             sch.submit(req)
             await asyncio.wait_for(req.done.wait(), 60)

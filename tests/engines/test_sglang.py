@@ -137,3 +137,25 @@ def test_launch_env_forces_temperature_scaled_logprobs(monkeypatch, inherited):
     assert inherited_env["MILES_TEST_KEEP"] == "kept"
     given = SGLangServer(args, env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", "A": "b"}).process.env
     assert given == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "A": "b"}
+
+
+def test_the_cluster_recipe_launches_engines_sglang_accepts(sglang_wheel, tmp_path):
+    """recipes/grpo_sglang_cluster.toml: each engine's command line, from the recipe as the fleet
+    builds it, uses only flags of the pinned sglang, and the engines tile the node's GPUs."""
+    from miles.config import load_recipe
+    from miles.engines.sglang import recipe_server_args
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    recipe = load_recipe(root / "recipes" / "grpo_sglang_cluster.toml")
+    known = _sglang_cli_flags(sglang_wheel)
+    gpus = []
+    for i in range(recipe.engine.num_engines):
+        args = recipe_server_args(recipe, i, 30000 + i)
+        cmd = build_command(args)
+        flags = {a for a in cmd[3:] if a.startswith("--")}
+        assert not sorted(flags - known), sorted(flags - known)
+        line = " ".join(cmd)
+        assert f"--tp-size {recipe.engine.tp_size}" in line and "--chunked-prefill-size 8192" in line
+        assert f"--context-length {recipe.engine.context_length}" in line
+        gpus += [args.base_gpu_id + k for k in range(args.tp_size * args.dp_size)]
+    assert gpus == list(range(8))      # 4 engines x TP 2: every GPU of the node once

@@ -6,6 +6,8 @@ so a failure names what broke.
 
 from __future__ import annotations
 
+import pytest
+
 from miles.tiny import build_tiny_model
 from weights_helpers import run_ranks, with_engines
 
@@ -52,6 +54,13 @@ async def test_moe_bit_exact_then_disk_and_disk_delta(tmp_path):
     assert out["delta_v4"]["checked"] and out["delta_v4_base"] == 3
     assert "xor" in out["delta_v4_kinds"]
     assert out["delta_v4"]["payload_bytes"] < out["delta_v4"]["bytes"]
+    # the changed fraction: all of a raw version, a part of an lr=1e-6 step's
+    assert out["delta_v3"]["changed_frac"] == 1.0 and 0 < out["delta_v4"]["changed_frac"] < 1.0
+    # stall: the swap only (disk_delta prepares while serving)
+    v4 = out["delta_v4"]
+    assert v4["stall_s"] == pytest.approx(v4["pause_s"] + v4["stall_transfer_s"] + v4["load_s"]
+                                          + v4["version_s"] + v4["resume_s"])
+    assert v4["stall_transfer_s"] == 0.0 and v4["background_s"] > 0
     # Damaged deltas are refused while the engine serves: it keeps v4, unchanged, and generates.
     for name, needle in (("corrupted", "corrupted"), ("truncated", "truncated")):
         err = out[name]

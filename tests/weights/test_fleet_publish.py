@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from miles.actors.trainer import Trainer
@@ -24,7 +25,7 @@ from miles.engines.client import EngineClient
 from miles.rl.config import ModelConfig
 from miles.tiny import build_tiny_model
 from miles.weights import WeightsConfig
-from miles.wire.messages import PublishWeights
+from miles.wire.messages import Published, PublishWeights
 from weights_helpers import REPO, free_port, start_engines, stop_engines
 
 
@@ -56,8 +57,11 @@ async def test_publish_drops_dead_engines_and_follows_the_engine_set(tmp_path, t
     trainer.recipe = recipe
     await trainer.on_start()
     try:
-        await trainer.on_publish_weights(PublishWeights(version=1, engine_urls=[e0.url, e1.url]))
+        first = await trainer.on_publish_weights(PublishWeights(version=1, engine_urls=[e0.url, e1.url]))
         assert await _versions([e0, e1]) == ["1", "1"]
+        m = msgspec.msgpack.decode(msgspec.msgpack.encode(first), type=Published).metrics  # as on the wire
+        parts = sum(m[f"weights/{k}_s"] for k in ("pause", "transfer", "load", "version", "resume"))
+        assert 0 < m["weights/stall_s"] == pytest.approx(parts) and m["weights/load_s"] > 0, m
 
         # e1 dies after the first bucket of version 2 went out.
         buckets = trainer.backend.iter_hf_weight_buckets

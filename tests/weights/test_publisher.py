@@ -23,6 +23,7 @@ class FakeEngine:
         self.log, self.name = log, name
         self.fail: dict[str, int] = {}       # path -> HTTP status to answer
         self.hang: set[str] = set()          # paths that never answer
+        self.delay: dict[str, float] = {}    # path -> seconds before answering
         self.checksums: dict[str, str] = {}
         self.url = ""
 
@@ -33,6 +34,7 @@ class FakeEngine:
             self.log.append((self.name, path, body))
             if path in self.hang:
                 await asyncio.sleep(2.0)  # longer than the publisher's 1 s timeouts
+            await asyncio.sleep(self.delay.get(path, 0.0))
             if path in self.fail:
                 return web.json_response({"error": {"message": f"{self.name} says no"}},
                                          status=self.fail[path])
@@ -281,4 +283,72 @@ async def test_a_gated_transport_gathers_while_the_engines_pause(engines):
     whats = [what for _, what, _ in log]
     assert "finish" in whats and "bucket" not in whats
     assert any(w.startswith("gate closed: version 2: the engines could not be paused") for w in whats)
+    await pub.close()
+
+
+class Slow(Recording):
+    """A transfer of `transfer_s` whose last `load_s` is the engines loading (as nccl's barrier)."""
+
+    def __init__(self, log, transfer_s: float, load_s: float, **kw):
+        super().__init__(log, **kw)
+        self.transfer_s, self.load = transfer_s, load_s
+
+    def finish(self, version):
+        time.sleep(self.transfer_s - self.load)
+        t = time.perf_counter()
+        time.sleep(self.load)
+        self._stats.load_s = time.perf_counter() - t
+        self._step("finish")
+
+    def commit(self, version):
+        time.sleep(self.load)
+        self._step("commit")
+
+
+def assert_stall_adds_up(report):
+    m = report.metrics()
+    parts = ("weights/pause_s", "weights/transfer_s", "weights/load_s", "weights/version_s",
+             "weights/resume_s")
+    assert m["weights/stall_s"] == pytest.approx(sum(m[k] for k in parts), abs=1e-9)
+    assert all(m[k] >= 0 for k in parts)
+    assert m["weights/stall_s"] <= m["weights/publish_s"]
+    return m
+
+
+async def test_stall_time_is_pause_transfer_load_version_resume(engines):
+    fakes, log = engines
+    for f in fakes:
+        f.delay = {"/pause_generation": 0.1, "/update_weight_version": 0.05,
+                   "/continue_generation": 0.07}
+    tr = Slow(log, transfer_s=0.3, load_s=0.12)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    m = assert_stall_adds_up(await pub.publish(3, run_update(tr, 3)))
+    assert 0.1 <= m["weights/pause_s"] < 0.3
+    assert 0.12 <= m["weights/load_s"] < 0.25
+    assert 0.18 <= m["weights/transfer_s"] < 0.35   # the transfer less its load tail
+    assert 0.05 <= m["weights/version_s"] < 0.2 and 0.07 <= m["weights/resume_s"] < 0.2
+    assert m["weights/background_s"] == 0.0 and m["weights/bytes"] == 24
+    await pub.close()
+
+
+async def test_a_gated_transfer_stalls_only_for_what_outlasts_the_pause(engines):
+    fakes, log = engines
+    for f in fakes:
+        f.delay = {"/pause_generation": 0.3}
+    tr = Slow(log, transfer_s=0.1, load_s=0.0)
+    tr.uses_send_gate = True  # its finish touches no engine: the gather overlaps the pause fully
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    m = assert_stall_adds_up(await pub.publish(1, run_update(tr)))
+    assert m["weights/pause_s"] >= 0.3 and m["weights/transfer_s"] < 0.05
+    await pub.close()
+
+
+async def test_disk_delta_stalls_for_the_swap_only(engines):
+    fakes, log = engines
+    tr = Slow(log, transfer_s=0.2, load_s=0.1, pause_during_transfer=False)
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    m = assert_stall_adds_up(await pub.publish(1, run_update(tr)))
+    assert m["weights/transfer_s"] == 0.0 and 0.1 <= m["weights/load_s"] < 0.25  # commit
+    assert m["weights/background_s"] >= 0.2  # transfer (and prepare) while serving
+    assert m["weights/stall_s"] < m["weights/publish_s"] - 0.15
     await pub.close()

@@ -10,14 +10,20 @@ phase is refused. The delta format is miles/weights/delta_format.py.
 Design decisions:
 - Two phases so the pause covers only the swap: `prepare` reads the manifest, decompresses each
   tensor, XORs it with the engine's current bytes and checks the new tensor's sha256, all on a
-  worker thread while the scheduler keeps generating; the result waits in host memory. `apply`
-  takes the step lock and copies the staged tensors in (one device copy per weight).
+  worker thread while the scheduler keeps generating. `apply` takes the step lock and copies the
+  staged tensors in (one copy per weight).
+- Staged on the device when it can hold them: on CUDA, when free memory exceeds the delta's
+  bytes by `DEVICE_HEADROOM_BYTES`, `prepare` also moves each verified tensor to the GPU (on its
+  own stream, while generation runs), so `apply`'s pause is a device-to-device copy at HBM speed
+  instead of a host-to-device copy over PCIe (~50x shorter). Otherwise, and on CPU, they wait in
+  host memory. `prepare`'s answer says where (`staged_on`).
 - Nothing is changed until every tensor of the delta has been verified: a corrupted, truncated or
   mismatched delta is refused in `prepare` and the engine keeps serving the version it has.
 - A delta names its base version; `prepare` refuses one whose base is not the version this
   engine serves (and each XOR entry also checks the base bytes' sha256). `apply` refuses if any
   other update changed the weights after `prepare` (the server's `weights_serial`).
-- Staging costs one copy of the model in host memory for as long as the delta is prepared.
+- Staging costs one copy of the changed tensors (device or host) for as long as the delta is
+  prepared.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from miles.engines.embedded_engine.protocol import BadRequest, decode_body
 
 log = logging.getLogger(__name__)
 
+DEVICE_HEADROOM_BYTES = 2 << 30  # left free for the KV cache's growth and activations
+
 
 class DeltaReq(msgspec.Struct):
     phase: Literal["prepare", "apply", "discard"]
@@ -48,6 +56,14 @@ class _Staged:
     path: str
     serial: int
     tensors: list[tuple[str, torch.Tensor]]
+
+
+def _staging_device(device: torch.device, manifest) -> torch.device:
+    """Where prepared tensors wait: the engine's GPU when it has room for them, else the host."""
+    if device.type != "cuda":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if free > manifest.full_bytes + DEVICE_HEADROOM_BYTES else torch.device("cpu")
 
 
 def _json(data, status: int = 200):
@@ -84,7 +100,7 @@ class DeltaUpdates:
             serial, current = srv.weights_serial, srv.scheduler.weight_version
             t0 = time.perf_counter()
             try:
-                version, tensors = await asyncio.to_thread(self._decode, b.path, current)
+                version, tensors, staging = await asyncio.to_thread(self._decode, b.path, current)
             except (DeltaError, KeyError, ValueError, OSError) as e:
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
                 log.warning("delta %s refused: %s", b.path, msg)
@@ -96,7 +112,10 @@ class DeltaUpdates:
                 return _fail("Failed to prepare the delta: the weights changed while it was being "
                              "prepared (another update ran); prepare again")
             self.staged = _Staged(version, b.path, serial, tensors)
+            log.info("delta v%s prepared: %d tensors in %.2f s, staged on %s", version, len(tensors),
+                     time.perf_counter() - t0, staging)
         return _json({"success": True, "prepared_version": str(version), "num_tensors": len(tensors),
+                      "staged_on": str(staging),
                       "message": f"Prepared delta v{version} ({len(tensors)} tensors) in "
                                  f"{time.perf_counter() - t0:.2f} s"})
 
@@ -108,6 +127,8 @@ class DeltaUpdates:
             raise DeltaError(f"delta {path!r} (v{manifest.version}) applies to version "
                              f"{manifest.base_version}; this engine serves version {current_version!r}")
         engine_dtype = str(weights.dtype).removeprefix("torch.")
+        staging = _staging_device(weights.device, manifest)
+        stream = torch.cuda.Stream(weights.device) if staging.type == "cuda" else None
         out = []
         for entry in manifest.entries:
             dst = weights.lookup(entry.name)  # KeyError names the weight
@@ -118,8 +139,14 @@ class DeltaUpdates:
             if entry.kind == "xor":
                 current = dst.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             new = decode_entry(path, manifest, entry, current)
-            out.append((entry.name, torch.from_numpy(new).view(dst.dtype).reshape(dst.shape)))
-        return manifest.version, out
+            tensor = torch.from_numpy(new).view(dst.dtype).reshape(dst.shape)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    tensor = tensor.pin_memory().to(staging, non_blocking=True)
+            out.append((entry.name, tensor))
+        if stream is not None:
+            stream.synchronize()  # staged and complete before apply's copies read them
+        return manifest.version, out, staging
 
     async def apply(self, b: DeltaReq):
         srv, staged = self.server, self.staged
@@ -144,7 +171,10 @@ class DeltaUpdates:
                 if weights.device.type == "cuda":
                     torch.cuda.synchronize(weights.device)
 
-            await sch.run_compute(swap)
+            try:
+                await sch.run_compute(swap)
+            finally:
+                sch.flush_prefix_cache()  # cached KV was computed with the old weights
             srv.weights_serial += 1
             sch.weight_version = b.weight_version or str(staged.version)
             self.staged = None

@@ -13,10 +13,17 @@ Design decisions:
   `model.layers.0.mlp.experts.3.gate_proj.weight`, ...) maps to a *view* into those tensors. Loading
   and updating by name is a `view.copy_(tensor)`, so per-expert checkpoint names, transformers 5's
   fused in-memory names (`mlp.experts.gate_up_proj`) and SGLang's names all land in the same storage.
-- Two attention paths: `prefill` (fresh sequences, padded batch + SDPA with a causal/padding mask)
-  and `decode` (one new token per request, gathering its keys from the pool through
+- Two attention paths: `prefill` (fresh sequences, padded batch + SDPA with a causal/padding mask;
+  after a cached prefix, the new tokens over keys read back from the pool) and `decode` (one new token per request, gathering its keys from the pool through
   `req_to_token`). The decode path has static shapes given (batch, kv bucket), which is what lets
   runner.py capture it in a CUDA graph.
+- Tensor parallelism (tp.py) is Megatron's layout over the same code: a rank holds its q/k/v
+  heads and gate/up rows (column-parallel), the matching o_proj / down_proj columns (row-parallel,
+  an all-reduce after each), its vocabulary rows of the embeddings (looked up where they fall,
+  zeros elsewhere, all-reduced: exact) and of lm_head (logits all-gathered to the full
+  vocabulary in fp32), its experts (EP; every rank routes with the whole router and runs only its
+  experts, then all-reduce). Norms and the router are replicated. `Model.shape` is the rank's
+  (heads / tp, ...); `full_shape` and `Weights.full_shapes` the whole model's.
 - Decode attention on CPU is one SDPA call (`enable_gqa`, additive mask) over the gathered keys:
   the matmul form below permutes the keys and values into copies and upcasts the scores, and
   SDPA's CPU kernel reads them as they are (28 rows x 256 keys, 2 kv heads: 0.9 ms against 4.9 ms
@@ -133,19 +140,39 @@ def rope_inv_freq(config, shape: ModelShape) -> tuple[torch.Tensor, float]:
 
 
 class Weights:
-    """Fused weight storage plus a name -> view map in checkpoint naming."""
+    """Fused weight storage plus a name -> view map in checkpoint naming.
 
-    def __init__(self, shape: ModelShape, device: torch.device, dtype: torch.dtype):
+    With `tp_size` > 1 it holds rank `tp_rank`'s slices only, cut as miles.weights.p2p.TP_RULES
+    says (q/k/v and gate/up rows, o_proj and down_proj columns, vocab rows of the embeddings and
+    lm_head; norms and the router whole) and its experts (EP: experts in equal contiguous ranges).
+    `names` then maps the names it holds to those slices; `full_names` / `full_shapes` describe the
+    whole model (what checksums cover and what a full tensor from disk must look like), and
+    `copy_in` takes a full tensor and keeps its part.
+    """
+
+    def __init__(self, shape: ModelShape, device: torch.device, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1):
         s = shape
         self.shape, self.device, self.dtype = s, device, dtype
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if tp_size > 1:
+            check_tp_split(s, tp_size)
+            full = Weights(s, torch.device("meta"), dtype)
+            self.full_names = list(full.names)
+            self.full_shapes = {n: tuple(t.shape) for n, t in {**full.names, **full.aliases}.items()}
+        tp = tp_size
+        vocab, q_size, kv_size = s.vocab_size // tp, s.q_size // tp, s.kv_size // tp
         new = lambda *dims: torch.zeros(*dims, device=device, dtype=dtype)  # noqa: E731
-        self.embed = new(s.vocab_size, s.hidden_size)
-        self.lm_head = self.embed if s.tie_word_embeddings else new(s.vocab_size, s.hidden_size)
+        self.vocab_start = tp_rank * vocab
+        self.embed = new(vocab, s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else new(vocab, s.hidden_size)
         self.final_norm = new(s.hidden_size)
         self.layers: list[dict[str, torch.Tensor]] = []
         self.names: dict[str, torch.Tensor] = {}   # checkpoint name -> view (what checksums cover)
         self.aliases: dict[str, torch.Tensor] = {}  # other accepted names (fused HF, tied lm_head)
         self.alias_covers: dict[str, list[str]] = {}  # alias -> the checkpoint names it writes
+        self.not_held: set[str] = set()  # tp > 1: experts other ranks hold (skipped on load)
+        self.quant = None  # a quantized.QuantLoader with --quantization: takes quantized parts
         self.names["model.embed_tokens.weight"] = self.embed
         self.names["model.norm.weight"] = self.final_norm
         if s.tie_word_embeddings:
@@ -153,22 +180,24 @@ class Weights:
             self.alias_covers["lm_head.weight"] = ["model.embed_tokens.weight"]
         else:
             self.names["lm_head.weight"] = self.lm_head
-        qkv_rows = s.q_size + 2 * s.kv_size
+        qkv_rows = q_size + 2 * kv_size
+        n_local = s.num_experts // tp
+        self.expert_start = tp_rank * n_local
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             L: dict[str, torch.Tensor] = {
                 "in_norm": new(s.hidden_size), "post_norm": new(s.hidden_size),
-                "qkv_w": new(qkv_rows, s.hidden_size), "o_w": new(s.hidden_size, s.q_size)}
+                "qkv_w": new(qkv_rows, s.hidden_size), "o_w": new(s.hidden_size, q_size)}
             self.names[p + "input_layernorm.weight"] = L["in_norm"]
             self.names[p + "post_attention_layernorm.weight"] = L["post_norm"]
             self._split(p + "self_attn.{}_proj.weight", L["qkv_w"], ("q", "k", "v"),
-                        (s.q_size, s.kv_size, s.kv_size))
+                        (q_size, kv_size, kv_size))
             self.names[p + "self_attn.o_proj.weight"] = L["o_w"]
             if s.qkv_bias:
                 L["qkv_b"] = new(qkv_rows)
                 self._split(p + "self_attn.{}_proj.bias", L["qkv_b"], ("q", "k", "v"),
-                            (s.q_size, s.kv_size, s.kv_size))
-            if s.o_bias:
+                            (q_size, kv_size, kv_size))
+            if s.o_bias:  # replicated: added once, after the all-reduce
                 L["o_b"] = new(s.hidden_size)
                 self.names[p + "self_attn.o_proj.bias"] = L["o_b"]
             if s.qk_norm:
@@ -178,14 +207,19 @@ class Weights:
             if i in s.moe_layers:
                 E, I = s.num_experts, s.moe_intermediate_size
                 L["router_w"] = new(E, s.hidden_size)
-                L["experts_gate_up"] = new(E, 2 * I, s.hidden_size)
-                L["experts_down"] = new(E, s.hidden_size, I)
+                L["experts_gate_up"] = new(n_local, 2 * I, s.hidden_size)
+                L["experts_down"] = new(n_local, s.hidden_size, I)
                 self.names[p + "mlp.gate.weight"] = L["router_w"]
                 for e in range(E):
                     q = f"{p}mlp.experts.{e}."
-                    self.names[q + "gate_proj.weight"] = L["experts_gate_up"][e, :I]
-                    self.names[q + "up_proj.weight"] = L["experts_gate_up"][e, I:]
-                    self.names[q + "down_proj.weight"] = L["experts_down"][e]
+                    local = e - self.expert_start
+                    if not 0 <= local < n_local:
+                        self.not_held.update(q + w for w in ("gate_proj.weight", "up_proj.weight",
+                                                             "down_proj.weight"))
+                        continue
+                    self.names[q + "gate_proj.weight"] = L["experts_gate_up"][local, :I]
+                    self.names[q + "up_proj.weight"] = L["experts_gate_up"][local, I:]
+                    self.names[q + "down_proj.weight"] = L["experts_down"][local]
                 self.aliases[p + "mlp.experts.gate_up_proj"] = L["experts_gate_up"]
                 self.aliases[p + "mlp.experts.down_proj"] = L["experts_down"]
                 self.alias_covers[p + "mlp.experts.gate_up_proj"] = [
@@ -193,12 +227,40 @@ class Weights:
                 self.alias_covers[p + "mlp.experts.down_proj"] = [
                     f"{p}mlp.experts.{e}.down_proj.weight" for e in range(E)]
             else:
-                inter = s.intermediate_size
+                inter = s.intermediate_size // tp
                 L["gate_up_w"] = new(2 * inter, s.hidden_size)
                 L["down_w"] = new(s.hidden_size, inter)
                 self._split(p + "mlp.{}_proj.weight", L["gate_up_w"], ("gate", "up"), (inter, inter))
                 self.names[p + "mlp.down_proj.weight"] = L["down_w"]
             self.layers.append(L)
+        if tp_size == 1:
+            self.full_names = list(self.names)
+            self.full_shapes = {n: tuple(t.shape) for n, t in {**self.names, **self.aliases}.items()}
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The whole model's shape of `name` (what a checkpoint holds); KeyError names the field."""
+        if name in self.full_shapes:
+            return self.full_shapes[name]
+        self.lookup(name)  # raises the KeyError that names the weight
+        return tuple(self.lookup(name).shape)
+
+    def box(self, name: str, rank: int | None = None):
+        """Where rank `rank`'s part of `name` lies in the full tensor (p2p.engine_box), or None."""
+        from miles.weights.p2p import EngineLayout, TensorSpec, engine_box
+        rank = self.tp_rank if rank is None else rank
+        shape = list(self.full_shapes[name])
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):  # fused experts
+            n = shape[0] // self.tp_size
+            return [(rank * n, n)] + [(0, d) for d in shape[1:]]
+        return engine_box(TensorSpec(name, shape), EngineLayout(tp=self.tp_size), rank,
+                          self.shape.num_experts if self.shape.is_moe else 0)
+
+    def local_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full tensor (tp > 1); any other tensor as it is."""
+        if self.tp_size == 1 or tuple(tensor.shape) != self.full_shapes.get(name):
+            return tensor
+        from miles.weights.p2p import region
+        return region(tensor, self.box(name))
 
     def _split(self, pattern: str, fused: torch.Tensor, parts, sizes) -> None:
         start = 0
@@ -212,10 +274,20 @@ class Weights:
             return self.names[name]
         if name in self.aliases:
             return self.aliases[name]
+        hint = ""
+        if name.endswith(("_scale", "_scale_inv", "_scale_2", "_packed", "_zero_point", "_shape")):
+            hint = (" (a quantized weight's part: start the engine with --quantization FMT, the "
+                    "trainer's quant.rollout)" if self.quant is None else
+                    f" (not a part of --quantization {self.quant.fmt})")
         raise KeyError(f"weight name {name!r} is not a parameter of this {self.shape.model_type} "
-                       f"model (e.g. {next(iter(self.names))!r})")
+                       f"model (e.g. {next(iter(self.names))!r}){hint}")
 
     def copy_in(self, name: str, tensor: torch.Tensor) -> None:
+        if self.quant is not None and self.quant.copy_in(name, tensor):
+            return
+        if name in self.not_held:
+            return
+        tensor = self.local_part(name, tensor)
         dst = self.lookup(name)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected "
@@ -227,6 +299,31 @@ class Weights:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.names.values())
+
+
+def check_tp_split(shape: ModelShape, tp: int) -> None:
+    """Refuse a model that does not split into `tp` ranks, naming the config field and value."""
+    fields = [("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads),
+              ("vocab_size", shape.vocab_size)]
+    if any(i not in shape.moe_layers for i in range(shape.num_layers)):
+        fields.append(("intermediate_size", shape.intermediate_size))
+    if shape.is_moe:
+        fields.append(("num_experts", shape.num_experts))
+    for field_name, value in fields:
+        if value % tp:
+            raise ValueError(f"--tp-size {tp}: config.{field_name}={value} does not split into "
+                             f"{tp} tensor-parallel ranks")
+
+
+def local_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """What one TP rank's forward sees: its heads, its MLP rows, its vocabulary rows."""
+    import dataclasses
+    if tp == 1:
+        return shape
+    return dataclasses.replace(shape, num_heads=shape.num_heads // tp,
+                               num_kv_heads=shape.num_kv_heads // tp,
+                               intermediate_size=shape.intermediate_size // tp,
+                               vocab_size=shape.vocab_size // tp)
 
 
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -281,8 +378,9 @@ def _prefill_sdpa_backends(cuda: bool):
 
 @dataclass
 class PrefillInputs:
-    """Device inputs of one prefill over B fresh sequences of T tokens in all, padded to Tmax."""
-    input_ids: torch.Tensor    # [T] int64, the sequences concatenated
+    """Device inputs of one prefill over B sequences: T new tokens in all, padded to Tmax, after
+    cached prefixes of `prefix_lens` tokens whose K/V are already in the pool (0: fresh)."""
+    input_ids: torch.Tensor    # [T] int64, the new tokens of every sequence concatenated
     positions: torch.Tensor    # [T] int64
     slots: torch.Tensor        # [T] int64: KV slot of each token
     cu_seqlens: torch.Tensor   # [B + 1] int32: where each sequence starts, then T
@@ -290,15 +388,31 @@ class PrefillInputs:
     valid_index: torch.Tensor  # [T] int64: padded position of each token
     token_rows: torch.Tensor   # [T] int64: req_to_token row of each token's request
     logit_index: torch.Tensor  # [W] int64: the tokens whose logits are wanted
+    prefix: torch.Tensor       # [B] int64: cached tokens before each sequence's new ones
+    rows: torch.Tensor         # [B] int64: req_to_token row of each sequence
+    table_rows: torch.Tensor   # [P] int64: req_to_token entries of the cached prefixes (row,
+    table_positions: torch.Tensor  # position, slot); empty for fresh sequences
+    table_slots: torch.Tensor
     batch: int
     max_len: int
+    max_kv: int                # longest prefix + new tokens (keys an extend prefill reads)
+
+    @property
+    def extend(self) -> bool:
+        return self.table_slots.shape[0] > 0
 
     @classmethod
     def build(cls, seqs: list[list[int]], slots: list[np.ndarray], rows: list[int],
-              logit_starts: list[int], device: torch.device) -> PrefillInputs:
-        """Every index computed on the host and moved in one transfer: the forward then runs
-        without a device sync."""
-        lens = np.asarray([len(q) for q in seqs], dtype=np.int64)
+              logit_starts: list[int], device: torch.device,
+              prefix_lens: list[int] | None = None) -> PrefillInputs:
+        """`seqs[i]`/`slots[i]` are whole sequences (prefix included); `logit_starts[i]` >=
+        `prefix_lens[i]`. Every index computed on the host and moved in one transfer: the forward
+        then runs without a device sync."""
+        pre = np.asarray(prefix_lens or [0] * len(seqs), dtype=np.int64)
+        full = np.asarray([len(q) for q in seqs], dtype=np.int64)
+        lens = full - pre
+        if (lens < 1).any():
+            raise ValueError(f"prefix_lens: {pre.tolist()} leave no new token in sequences of {full.tolist()}")
         B, T, Tmax = len(seqs), int(lens.sum()), int(lens.max())
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         ar = np.arange(Tmax)
@@ -308,26 +422,36 @@ class PrefillInputs:
         # do (and no zero row has to be appended to q/k/v in every layer).
         pad_index = np.where(valid, starts[:, None] + ar[None, :], 0).reshape(-1)
         valid_index = np.flatnonzero(valid.reshape(-1))
-        positions = np.concatenate([np.arange(n) for n in lens])
-        logit_index = np.concatenate([np.arange(o + first, o + n)
-                                      for o, n, first in zip(starts, lens, logit_starts)])
-        parts = [np.fromiter((t for q in seqs for t in q), dtype=np.int64, count=T), positions,
-                 np.concatenate(slots), np.append(starts, T), pad_index, valid_index,
-                 np.repeat(np.asarray(rows, dtype=np.int64), lens), logit_index]
+        positions = np.concatenate([np.arange(p, n) for p, n in zip(pre, full)])
+        logit_index = np.concatenate([np.arange(o + first - p, o + n)
+                                      for o, n, first, p in zip(starts, lens, logit_starts, pre)])
+        rows_np = np.asarray(rows, dtype=np.int64)
+        new_ids = (t for q, p in zip(seqs, pre) for t in q[p:])
+        cached = pre > 0
+        parts = [np.fromiter(new_ids, dtype=np.int64, count=T), positions,
+                 np.concatenate([s[p:] for s, p in zip(slots, pre)]), np.append(starts, T), pad_index,
+                 valid_index, np.repeat(rows_np, lens), logit_index, pre, rows_np,
+                 np.repeat(rows_np[cached], pre[cached]),
+                 np.concatenate([np.arange(p) for p in pre[cached]] or [np.zeros(0, np.int64)]),
+                 np.concatenate([s[:p] for s, p in zip(slots, pre) if p] or [np.zeros(0, np.int64)])]
         dev = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
         split = list(torch.split(dev, [len(p) for p in parts]))
         split[3] = split[3].to(torch.int32)
-        return cls(*split, batch=B, max_len=Tmax)
+        return cls(*split, batch=B, max_len=Tmax, max_kv=int(full.max()))
 
 
 class Model:
     """The forward. `kv` is a kv_cache.KVPool; routing is captured per MoE layer when asked."""
 
-    def __init__(self, config, device: torch.device, dtype: torch.dtype, max_positions: int):
+    def __init__(self, config, device: torch.device, dtype: torch.dtype, max_positions: int,
+                 tp=None):
         self.config = config
-        self.shape = shape_from_config(config)
+        self.full_shape = shape_from_config(config)
+        self.tp = tp if tp is not None and tp.size > 1 else None  # a tp.TPGroup
+        size, rank = (self.tp.size, self.tp.rank) if self.tp else (1, 0)
+        self.weights = Weights(self.full_shape, device, dtype, tp_rank=rank, tp_size=size)
+        self.shape = local_shape(self.full_shape, size)  # this rank's heads and rows
         self.device, self.dtype = device, dtype
-        self.weights = Weights(self.shape, device, dtype)
         inv_freq, scaling = rope_inv_freq(config, self.shape)
         pos = torch.arange(max_positions, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]
@@ -340,6 +464,22 @@ class Model:
         self.varlen_always = False  # else only for batches that padding would mostly waste
 
     # ---- building blocks -----------------------------------------------------------------
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial results (after o_proj, down_proj, experts); tp=1: as it is."""
+        if self.tp is not None:
+            self.tp.all_reduce(x)
+        return x
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.weights.embed[ids]
+        # vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is exact
+        w = self.weights
+        local = ids - w.vocab_start
+        mine = (local >= 0) & (local < w.embed.shape[0])
+        x = w.embed[local.clamp(0, w.embed.shape[0] - 1)] * mine[:, None].to(w.embed.dtype)
+        return self._reduce(x)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         # HF: normalise in fp32, cast back, then scale by the weight in the activation dtype.
@@ -374,7 +514,7 @@ class Model:
     def _mlp(self, i: int, L, h: torch.Tensor, routing_out: list | None) -> torch.Tensor:
         if "router_w" not in L:
             gate, up = F.linear(h, L["gate_up_w"]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, L["down_w"])
+            return self._reduce(F.linear(F.silu(gate) * up, L["down_w"]))
         s = self.shape
         logits = F.linear(h, L["router_w"])
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
@@ -384,23 +524,26 @@ class Model:
         top_w = top_w.to(logits.dtype)
         if routing_out is not None:
             routing_out.append(top_i)
-        return self._experts(L, h, top_i, top_w)
+        return self._reduce(self._experts(L, h, top_i, top_w))
 
     def _experts(self, L, h, top_i, top_w) -> torch.Tensor:
-        """Loop over the experts that got tokens (data-dependent shapes: eager only)."""
+        """Loop over the experts that got tokens (data-dependent shapes: eager only). With EP
+        (tp > 1) only this rank's experts run; the caller sums the ranks' outputs."""
         out = torch.zeros_like(h)
         flat_e = top_i.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
         counts = torch.bincount(flat_e, minlength=self.shape.num_experts).tolist()
         token_of = order // top_i.shape[1]
         weight_of = top_w.reshape(-1)[order]
+        first, held = self.weights.expert_start, L["experts_gate_up"].shape[0]
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 or not first <= e < first + held:
+                start += n
                 continue
             tok = token_of[start:start + n]
-            gate, up = F.linear(h[tok], L["experts_gate_up"][e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, L["experts_down"][e]) * weight_of[start:start + n, None]
+            gate, up = F.linear(h[tok], L["experts_gate_up"][e - first]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, L["experts_down"][e - first]) * weight_of[start:start + n, None]
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
         return out
@@ -414,13 +557,21 @@ class Model:
         E = self.shape.num_experts
         dense_w = torch.zeros(h.shape[0], E, device=h.device, dtype=h.dtype)
         dense_w.scatter_(1, top_i, top_w)
+        first, held = self.weights.expert_start, L["experts_gate_up"].shape[0]
+        dense_w = dense_w[:, first:first + held]  # EP: this rank's experts (all of them at tp=1)
         gu = torch.einsum("th,eoh->eto", h, L["experts_gate_up"])
         gate, up = gu.chunk(2, dim=-1)
         y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, L["experts_down"])
         return torch.einsum("eth,te->th", y, dense_w)
 
+    def _o_proj(self, L, attn: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.linear(attn, L["o_w"], L.get("o_b"))
+        o = self._reduce(F.linear(attn, L["o_w"]))
+        return o + L["o_b"] if "o_b" in L else o
+
     def _layer_end(self, i, L, x, attn, routing_out):
-        x = x + F.linear(attn, L["o_w"], L.get("o_b"))
+        x = x + self._o_proj(L, attn)
         return x + self._mlp(i, L, self._rms(x, L["post_norm"]), routing_out)
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -428,12 +579,17 @@ class Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of (already normed) hidden states; the matmul runs in the model dtype like HF."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        local = F.linear(hidden, self.weights.lm_head).float()
+        return local if self.tp is None else self.tp.gather_last(local)  # vocab-parallel
 
-    # ---- prefill: fresh sequences, no cached prefix ----------------------------------------
+    # ---- prefill: new tokens, after a cached prefix or fresh --------------------------------
 
     def prefill(self, inp: PrefillInputs, kv, capture_routing: bool):
-        """Forward over concatenated fresh sequences; writes their K/V into `kv` at `inp.slots`.
+        """Forward over the concatenated new tokens; writes their K/V into `kv` at `inp.slots`.
+
+        With cached prefixes (`inp.extend`, the prefix cache's hits) the new tokens' queries attend
+        over the keys gathered from the pool through `req_to_token` (prefix and new alike), with a
+        mask that lets query p see keys 0..p (`_extend_attention`); the fresh path is unchanged.
 
         Attention is causal within each sequence: SDPA with `is_causal` over a right-padded
         [B, Tmax] view (a padded key only ever follows a sequence's real tokens, so the causal
@@ -450,13 +606,22 @@ class Model:
         use_varlen = self.varlen is not None and (self.varlen_always or B * Tmax > VARLEN_PAD_RATIO * T)
         rope = self._rope_at(inp.positions)
         routing: list | None = [] if capture_routing else None
-        x = self.weights.embed[inp.input_ids]
+        x = self._embed(inp.input_ids)
+        if inp.extend:
+            # Keys padded to a multiple of 64 (within the table): CUDA's memory-efficient SDPA
+            # kernel wants an aligned mask, and fewer distinct shapes reach the kernels.
+            kmax = min(-(-inp.max_kv // 64) * 64, kv.req_to_token.shape[1])
+            q_pos = inp.prefix[:, None] + torch.arange(Tmax, device=x.device)[None, :]     # [B, Tmax]
+            mask = torch.arange(kmax, device=x.device)[None, None, :] <= q_pos[:, :, None]
+            ext = (kv.req_to_token[inp.rows, :kmax], mask[:, None])  # [B, Kmax], [B, 1, Tmax, Kmax]
         with _prefill_sdpa_backends(cuda):
             for i, L in enumerate(self.weights.layers):
                 h = self._rms(x, L["in_norm"])
                 q, k, v = self._qkv(L, h, rope)
                 kv.write(i, inp.slots, k, v)
-                if use_varlen:
+                if inp.extend:
+                    o = self._extend_attention(i, q, inp, kv, *ext)
+                elif use_varlen:
                     o = self.varlen(q.contiguous(), k.contiguous(), v.contiguous(), inp.cu_seqlens, Tmax,
                                     self.scaling)
                     o = o.reshape(T, s.q_size)
@@ -472,6 +637,23 @@ class Model:
                 x = self._layer_end(i, L, x, o, routing)
         hidden = self.final_hidden(x)
         return hidden, (torch.stack(routing, dim=1) if routing else None)
+
+    def _extend_attention(self, layer: int, q: torch.Tensor, inp: PrefillInputs, kv,
+                          token_slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """New tokens' queries (padded to [B, Tmax]) over every key of their sequence, read back
+        from the pool (the new tokens' own keys were just written there). Keys past a sequence's
+        end are stale slots or scratch: finite, and masked because they lie past every query."""
+        s = self.shape
+        B, Tmax, g = inp.batch, inp.max_len, s.num_heads // s.num_kv_heads
+        cuda = q.is_cuda
+        keys, values = kv.gather(layer, token_slots)                       # [B, Kmax, kvh, d]
+        kp, vp = keys.transpose(1, 2), values.transpose(1, 2)
+        if g > 1 and cuda:
+            kp, vp = kp.repeat_interleave(g, dim=1), vp.repeat_interleave(g, dim=1)
+        qp = q.index_select(0, inp.pad_index).view(B, Tmax, s.num_heads, s.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scaling,
+                                           enable_gqa=g > 1 and not cuda)
+        return o.transpose(1, 2).reshape(B * Tmax, s.q_size).index_select(0, inp.valid_index)
 
     # ---- decode: one token per request against the pool ------------------------------------
 
@@ -497,7 +679,7 @@ class Model:
             segs.append((start, end, token_slots, bias))
         routing: list | None = [] if capture_routing else None
         rope = self._rope_at(inp.positions)
-        x = self.weights.embed[inp.input_ids]
+        x = self._embed(inp.input_ids)
         for i, L in enumerate(self.weights.layers):
             h = self._rms(x, L["in_norm"])
             q, k, v = self._qkv(L, h, rope)
@@ -518,7 +700,7 @@ class Model:
                 outs.append(torch.matmul(probs, values.transpose(1, 2)).reshape(end - start, s.q_size))
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             if dense_moe and "router_w" in L:
-                x = x + F.linear(o, L["o_w"], L.get("o_b"))
+                x = x + self._o_proj(L, o)
                 hm = self._rms(x, L["post_norm"])
                 logits = F.linear(hm, L["router_w"])
                 probs_r = torch.softmax(logits, dim=-1, dtype=torch.float)
@@ -527,7 +709,7 @@ class Model:
                     top_w = top_w / top_w.sum(dim=-1, keepdim=True)
                 if routing is not None:
                     routing.append(top_i)
-                x = x + self._experts_dense(L, hm, top_i, top_w.to(hm.dtype))
+                x = x + self._reduce(self._experts_dense(L, hm, top_i, top_w.to(hm.dtype)))
             else:
                 x = self._layer_end(i, L, x, o, routing)
         hidden = self.final_hidden(x)

@@ -19,7 +19,7 @@ Design decisions:
   makes a row's numbers independent of its batch neighbours' lengths. Graph and eager agree to
   rounding (a GPU test checks it); the lm_head and sampling run eagerly after the graph because
   their cost is one matmul and their inputs (per-request sampling params) vary.
-- Prefill is one eager forward over the new sequences, packed: every index it needs is built on
+- Prefill is one eager forward over the new tokens (those past a prefix cache hit), packed: every index it needs is built on
   the host and moved in one transfer (`PrefillInputs`), so it never syncs the device mid-forward.
   Attention is causal SDPA over a right-padded view, or on CUDA FlashAttention varlen (the
   trainer's probed kernel, miles.backends.attention) for batches whose padding would more than
@@ -40,6 +40,15 @@ Design decisions:
   batch) is the remaining suspect. Both attempts were reverted.
 - MoE models decode eagerly (the sparse expert loop has data-dependent shapes); CUDA graphs are
   for dense models, which is what the throughput benchmark measures.
+- Tensor parallelism (`tp`, tp.py): each public method that touches weights or KV is a command.
+  On rank 0 it first broadcasts its own arguments (token ids, rows, slots: small int lists), then
+  runs its `_op_*`; workers run the same `_op_*` from their command loop, and the collectives in
+  the forward keep them in step. The KV pool is one slot numbering for every rank (the smallest
+  pool any rank can hold), so rank 0's host-side allocation is every rank's. Measured on the
+  shared 2-core CPU (tiny Qwen3, 16 requests x 64 greedy tokens, load average ~5 from other
+  work): tp=1 2700-7200 tok/s, tp=2 610-830 tok/s; seven small gloo collectives per decode step
+  (two per layer, the embedding, the logits, one command frame) cost far more than the halved
+  matmuls save at this size. TP is for models that do not fit one device, not for CPU speed.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -76,6 +86,18 @@ class RunnerConfig:
     mem_fraction_kv: float = 0.5     # of free device memory after weights, when max_total_tokens is unset
     load_format: str = "auto"        # "dummy": skip the checkpoint's weights (SGLang's flag)
     prefill_attention: str = "auto"  # auto | varlen (required) | sdpa
+    quantization: str | None = None  # updates arrive in this miles.quant format (quantized.py)
+
+
+def runner_config(args, device: str | None = None) -> RunnerConfig:
+    """The RunnerConfig of the engine's command-line flags (rank 0 and every TP worker alike)."""
+    return RunnerConfig(device=device or args.device, dtype=args.dtype,
+                        max_running_requests=args.max_running_requests,
+                        max_total_tokens=args.max_total_tokens, context_length=args.context_length,
+                        cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                        cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
+                        mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format,
+                        quantization=args.quantization, prefill_attention=args.prefill_attention)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -87,7 +109,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, cfg: RunnerConfig):
+    """`tp` (a tp.TPGroup, tp > 1): this process is one TP rank; on rank 0 every public method
+    that touches weights or KV first broadcasts itself as a command (tp.py), then every rank runs
+    the same `_op_*`."""
+
+    def __init__(self, model_path: str, cfg: RunnerConfig, tp=None):
         from miles.engines.embedded_engine.model import load_hf_config, load_safetensors_dir
         self.cfg = cfg
         self.device = torch.device(cfg.device)
@@ -99,18 +125,29 @@ class ModelRunner:
         self.hf_config = load_hf_config(model_path)
         ctx = cfg.context_length or self.hf_config.max_position_embeddings
         self.context_length = ctx
-        self.model = Model(self.hf_config, self.device, self.dtype, max_positions=ctx)
-        self.shape = self.model.shape
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.model = Model(self.hf_config, self.device, self.dtype, max_positions=ctx, tp=self.tp)
+        self.shape = self.model.full_shape  # the whole model (the KV pool holds this rank's heads)
+        self.p2p = None  # (P2PGroup, EngineRank) once the engine joined a P2P weight group
+        if cfg.quantization:
+            from miles.engines.embedded_engine.quantized import QuantLoader
+            self.model.weights.quant = QuantLoader(cfg.quantization, self.model.weights)
         missing = [] if cfg.load_format == "dummy" else load_safetensors_dir(self.model.weights, model_path)
         if missing:
             raise ValueError(f"model_path {model_path!r}: checkpoint lacks {len(missing)} tensors, "
                              f"e.g. {missing[:3]}")
-        per_token = kv_bytes_per_token(self.shape, self.dtype)
+        local = self.model.shape
+        per_token = kv_bytes_per_token(local, self.dtype)
         total = cfg.max_total_tokens or self._default_pool_tokens(per_token, ctx)
-        self.kv = KVPool(self.shape.num_layers, total + 1, self.shape.num_kv_heads,
-                         self.shape.head_dim, cfg.max_running_requests, ctx, self.device, self.dtype)
+        if self.tp is not None:  # one slot numbering for every rank: the smallest pool
+            t = torch.tensor([total], dtype=torch.int64)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.ctrl)
+            total = int(t)
+        self.kv = KVPool(local.num_layers, total + 1, local.num_kv_heads,
+                         local.head_dim, cfg.max_running_requests, ctx, self.device, self.dtype)
         self.max_total_tokens = total
-        self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graph and not self.shape.is_moe)
+        self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graph and not self.shape.is_moe
+                           and self.tp is None)
         self.graphs = _DecodeGraphs(self, min(cfg.cuda_graph_max_bs, cfg.max_running_requests)) \
             if self.use_graphs else None
         if cfg.prefill_attention not in ("auto", "varlen", "sdpa"):
@@ -148,27 +185,228 @@ class ModelRunner:
 
     # ---- prefill ---------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def prefill(self, seqs: list[list[int]], rows: list[int], slots: list[np.ndarray],
-                logit_starts: list[int], capture_routing: bool):
-        """Forward fresh sequences; returns per-sequence fp32 logits rows and routing.
+    def _command(self, op: str, *args) -> None:
+        """Rank 0 of a TP engine: tell the workers to run `_op_<op>(*args)` too."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send([op, *args])
 
-        `logit_starts[i]` is the first position of sequence i whose logits are wanted (len-1 for
-        plain sampling; earlier for prompt logprobs). Routing is [T_i, moe_layers, top_k] per seq.
+    def prefill(self, seqs: list[list[int]], rows: list[int], slots: list[np.ndarray],
+                logit_starts: list[int], capture_routing: bool, prefix_lens: list[int] | None = None):
+        if self.tp is not None:
+            self._command("prefill", seqs, rows, [np.asarray(x).tolist() for x in slots],
+                          logit_starts, capture_routing, prefix_lens)
+        return self._op_prefill(seqs, rows, slots, logit_starts, capture_routing, prefix_lens)
+
+    def decode(self, input_ids: list[int], positions: list[int], rows: list[int],
+               out_slots: np.ndarray, capture_routing: bool, force_eager: bool = False):
+        """One token per request. Returns (fp32 logits [B, V], routing np [B, L, k] or None)."""
+        if self.tp is not None:
+            self._command("decode", input_ids, positions, rows, np.asarray(out_slots).tolist(),
+                          capture_routing, force_eager)
+        return self._op_decode(input_ids, positions, rows, out_slots, capture_routing, force_eager)
+
+    def set_row_slots(self, row: int, slots: np.ndarray) -> None:
+        """A request row's first len(slots) positions now live at `slots` (a prefix-cache merge)."""
+        if self.tp is not None:
+            self._command("set_row_slots", row, np.asarray(slots).tolist())
+        self._op_set_row_slots(row, slots)
+
+    def _op_set_row_slots(self, row: int, slots) -> None:
+        held = torch.as_tensor(np.asarray(slots, dtype=np.int64)).to(self.device)
+        self.kv.req_to_token[row, :len(held)] = held
+
+    # ---- weights at tp > 1: every rank its slices ------------------------------------------
+
+    def load_from_disk(self, model_path: str) -> int:
+        """`/update_weights_from_disk`: rank 0 validates and loads first (a bad directory fails
+        before any worker is told), then every worker loads its slices of the same files."""
+        from miles.engines.embedded_engine import weights as W
+        n = W.load_from_disk(self.model.weights, model_path)
+        self._command("load_from_disk", model_path)
+        return n
+
+    def _op_load_from_disk(self, model_path: str) -> None:
+        from miles.engines.embedded_engine import weights as W
+        W.load_from_disk(self.model.weights, model_path)
+
+    def checksums(self, names: list[str] | None, algorithm: str) -> dict[str, str]:
+        """Digests of the *full* tensors: at tp > 1 each is gathered to rank 0 (`full_tensor`)
+        and hashed there, so they equal a tp=1 engine's and the trainer's, name by name."""
+        from miles.engines.embedded_engine import weights as W
+        if self.tp is None:
+            return W.checksums(self.model.weights, names, algorithm)
+        for n in names or []:
+            self.model.weights.full_shape(n)  # a bad name: KeyError before any worker is told
+        self._command("checksums", names, algorithm)
+        return self._op_checksums(names, algorithm)
+
+    def _op_checksums(self, names, algorithm: str) -> dict[str, str]:
+        from miles.weights.checks import CHECKSUMS
+        digest = CHECKSUMS[algorithm]
+        out = {}
+        for name in names or self.model.weights.full_names:
+            full = self._gather(name)
+            if full is not None:
+                out[name] = digest(full)
+        return out
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` (gathered from every TP rank at tp > 1)."""
+        if self.tp is None:
+            return self.model.weights.lookup(name)
+        self.model.weights.full_shape(name)
+        self._command("full_tensor", name)
+        return self._op_full_tensor(name)
+
+    def _op_full_tensor(self, name: str):
+        return self._gather(name)
+
+    def _gather(self, name: str) -> torch.Tensor | None:
+        """Collective over the TP ranks: the full `name` on rank 0 (None elsewhere). Replicated
+        tensors are rank 0's own; a split one is all-gathered and concatenated on its split dim;
+        an expert is broadcast from the rank that holds it."""
+        w, tp = self.model.weights, self.tp
+        shape = w.full_shape(name)
+        boxes = [w.box(name, r) for r in range(tp.size)]
+        full_box = [(0, n) for n in shape]
+        if all(b == full_box for b in boxes):
+            return w.lookup(name) if tp.rank == 0 else None
+        holders = [r for r, b in enumerate(boxes) if b is not None]
+        if len(holders) == 1:
+            src = holders[0]
+            if tp.rank == src:
+                buf = w.lookup(name).contiguous()
+            else:
+                buf = torch.empty(shape, dtype=w.dtype, device=w.device)
+            torch.distributed.broadcast(buf, src=src, group=tp.pg)
+            return buf if tp.rank == 0 else None
+        dim = next(d for d, (start, n) in enumerate(boxes[0]) if n != shape[d])
+        local = w.lookup(name).contiguous()
+        parts = [torch.empty_like(local) for _ in range(tp.size)]
+        torch.distributed.all_gather(parts, local, group=tp.pg)
+        return torch.cat(parts, dim=dim) if tp.rank == 0 else None
+
+    # ---- P2P weight transfer: each rank receives its own slices ------------------------------
+
+    def p2p_join(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                 group_name: str, plan: bytes, dtype: str, backend: str, timeout_s: float) -> None:
+        """Join the trainers' P2P group at `rank_offset` + this TP rank (every rank joins). The
+        plan is checked here first, for every rank's boxes, so a bad one is refused before any
+        worker is told."""
+        self._check_p2p_plan(plan)
+        self._command("p2p_join", master_address, master_port, rank_offset, world_size, group_name,
+                      plan, dtype, backend, timeout_s)
+        self._op_p2p_join(master_address, master_port, rank_offset, world_size, group_name, plan,
+                          dtype, backend, timeout_s)
+
+    def _check_p2p_plan(self, blob: bytes) -> None:
+        from miles.weights.p2p import Plan
+        plan = msgspec.msgpack.decode(blob, type=Plan)  # a DecodeError names the field
+        size = self.tp.size if self.tp is not None else 1
+        if plan.engine.tp != size:
+            raise ValueError(f"p2p plan: engine tp={plan.engine.tp} != this engine's --tp-size {size}")
+        w = self.model.weights
+        for t, spec in enumerate(plan.specs):
+            if tuple(spec.shape) != w.full_shapes.get(spec.name):
+                raise ValueError(f"p2p plan: tensor {spec.name!r} {spec.shape} is not one of this "
+                                 f"engine's (its shape: {w.full_shapes.get(spec.name)})")
+            for r in range(size):
+                box = plan.engine_boxes[t][r]
+                mine = w.box(spec.name, r)
+                if (box is None) != (mine is None) or box is not None and \
+                        [tuple(b) for b in box] != [tuple(b) for b in mine]:
+                    raise ValueError(f"p2p plan: {spec.name} on engine rank {r} is {box}; this "
+                                     f"engine holds {mine} there")
+
+    def _op_p2p_join(self, master_address, master_port, rank_offset, world_size, group_name, plan,
+                     dtype, backend, timeout_s) -> None:
+        from miles.weights.p2p import P2PGroup, Plan
+        from miles.weights.p2p_receiver import EngineRank
+        from miles.weights.process_group import init_custom_process_group
+        self._op_p2p_leave()
+        plan = msgspec.msgpack.decode(plan, type=Plan)
+        rank = self.tp.rank if self.tp is not None else 0
+        if plan.engine.tp != (self.tp.size if self.tp is not None else 1):
+            raise ValueError(f"p2p plan: engine tp={plan.engine.tp} != this engine's "
+                             f"--tp-size {self.tp.size if self.tp is not None else 1}")
+        w = self.model.weights
+        shards = {}
+        for t, spec in enumerate(plan.specs):
+            box = plan.engine_boxes[t][rank]
+            if box is None:
+                continue
+            dst = w.lookup(spec.name)  # KeyError names a tensor this engine does not have
+            if list(dst.shape) != [n for _, n in box]:
+                raise ValueError(f"p2p plan: {spec.name} slice {box} does not match this rank's "
+                                 f"{list(dst.shape)}")
+            shards[t] = dst
+        pg = init_custom_process_group(backend, master_address, master_port, world_size,
+                                       rank_offset + rank, group_name, timeout_s)
+        group = P2PGroup(pg, plan.trainer_world, rank_offset + rank,
+                         self.device if backend == "nccl" else None)
+        self.p2p = (group, EngineRank(plan, rank, getattr(torch, dtype), shards=shards,
+                                      device=self.device if backend == "nccl" else None))
+
+    def p2p_receive(self) -> tuple[int, dict[int, int]]:
+        """One version from the trainers (every rank its slices); returns (version, bytes per
+        trainer rank received by rank 0)."""
+        if self.p2p is None:
+            raise RuntimeError("update_weights_from_p2p: this engine has not joined a P2P group "
+                               "(/init_p2p_group first)")
+        self._command("p2p_receive")
+        return self._op_p2p_receive()
+
+    @torch.no_grad()
+    def _op_p2p_receive(self):
+        group, engine = self.p2p
+        version = engine.receive_version(group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return version, dict(engine.received)
+
+    def p2p_leave(self) -> None:
+        self._command("p2p_leave")
+        self._op_p2p_leave()
+
+    def _op_p2p_leave(self) -> None:
+        if self.p2p is not None:
+            from miles.weights.process_group import destroy_group
+            destroy_group(self.p2p[0].pg)
+            self.p2p = None
+
+    def stop_workers(self) -> None:
+        self._command("stop")
+
+    @torch.no_grad()
+    def _op_prefill(self, seqs: list[list[int]], rows: list[int], slots: list[np.ndarray],
+                    logit_starts: list[int], capture_routing: bool, prefix_lens: list[int] | None = None):
+        """Forward sequences past their cached prefixes; returns per-sequence fp32 logits rows and
+        routing.
+
+        `seqs[i]`/`slots[i]` cover the whole sequence; its first `prefix_lens[i]` tokens (default
+        0) are a prefix cache hit whose K/V are already at those slots, and only the rest is
+        forwarded. `logit_starts[i]` (>= the prefix) is the first position of sequence i whose
+        logits are wanted (len-1 for plain sampling; earlier for prompt logprobs). Routing is
+        [new tokens of i, moe_layers, top_k] per seq.
         """
         dev = self.device
-        lens = [len(s) for s in seqs]
-        inp = PrefillInputs.build(seqs, slots, rows, logit_starts, dev)
-        self.kv.req_to_token[inp.token_rows, inp.positions] = inp.slots
+        slots = [np.asarray(x, dtype=np.int64) for x in slots]
+        pre = prefix_lens or [0] * len(seqs)
+        lens = [len(s) - p for s, p in zip(seqs, pre)]
+        inp = PrefillInputs.build(seqs, slots, rows, logit_starts, dev, pre)
+        t2t = self.kv.req_to_token
+        t2t[inp.token_rows, inp.positions] = inp.slots
+        if inp.extend:
+            t2t[inp.table_rows, inp.table_positions] = inp.table_slots
         hidden, routing = self.model.prefill(inp, self.kv, capture_routing and self.shape.is_moe)
         logits = self.model.logits(hidden.index_select(0, inp.logit_index))
         per_seq, off = [], 0
-        for n, start in zip(lens, logit_starts):
-            per_seq.append(logits[off:off + n - start])
-            off += n - start
+        for s, start in zip(seqs, logit_starts):
+            per_seq.append(logits[off:off + len(s) - start])
+            off += len(s) - start
         routing_np = None
         if routing is not None:
-            r = routing.to(torch.int32).cpu().numpy()
+            r = self._all_layers(routing.to(torch.int32).cpu().numpy())
             routing_np, off = [], 0
             for n in lens:
                 routing_np.append(r[off:off + n])
@@ -178,9 +416,9 @@ class ModelRunner:
     # ---- decode ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, input_ids: list[int], positions: list[int], rows: list[int],
-               out_slots: np.ndarray, capture_routing: bool, force_eager: bool = False):
-        """One token per request. Returns (fp32 logits [B, V], routing np [B, L, k] or None)."""
+    def _op_decode(self, input_ids: list[int], positions: list[int], rows: list[int],
+                   out_slots, capture_routing: bool, force_eager: bool = False):
+        out_slots = np.asarray(out_slots, dtype=np.int64)
         dev = self.device
         n = len(input_ids)
         host = torch.tensor([input_ids, positions, rows, [p + 1 for p in positions],
@@ -200,8 +438,18 @@ class ModelRunner:
             hidden, routing = self._decode_eager(host, positions, kv_bucket,
                                                  capture_routing and self.shape.is_moe)
         logits = self.model.logits(hidden)
-        routing_np = routing.to(torch.int32).cpu().numpy() if (capture_routing and routing is not None) else None
+        routing_np = (self._all_layers(routing.to(torch.int32).cpu().numpy())
+                      if (capture_routing and routing is not None) else None)
         return logits, routing_np
+
+    def _all_layers(self, routing: np.ndarray) -> np.ndarray:
+        """[n, moe_layers, k] -> SGLang's [n, num_layers, k] with -1 on the dense layers."""
+        moe, L = self.shape.moe_layers, self.shape.num_layers
+        if len(moe) == L:
+            return routing
+        full = np.full((routing.shape[0], L, routing.shape[2]), -1, np.int32)
+        full[:, moe] = routing
+        return full
 
     def _decode_eager(self, host: torch.Tensor, positions: list[int], kv_bucket: int,
                       capture_routing: bool):

@@ -45,7 +45,17 @@ Design decisions:
   ms per step, prefills and their time, paused time, tokens/s, CUDA graphs captured meanwhile.
 - Routed experts (R3): position p's routing is recorded when token p is forwarded (prefill for
   prompt positions, decode for outputs); recomputation after a retract overwrites them with the
-  routing under the new weights, as SGLang's per-slot capture does.
+  routing under the new weights, as SGLang's per-slot capture does. Positions served from the
+  prefix cache take the routing recorded when the cache's copy was forwarded.
+- Prefix cache (prefix_cache.py, on unless `--disable-radix-cache`): admission matches each
+  request's longest cached prefix (at most all but its last token, and not past the first
+  position whose prompt logprobs it wants), locks it and prefills only the rest; a prefilled
+  request's prompt, and a finished request's whole KV, go into the cache. Admission and decode
+  evict unreferenced cache entries before retracting anything; a retracted request unlocks its
+  prefix and frees only its own slots. Every weight update resets the cache (server.py).
+  `cached_tokens` counts prompt tokens served from the cache at a request's first admission
+  (recomputes after a retract are not counted), and the hit rate is cached / all prompt tokens
+  since start.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from miles.engines.embedded_engine.prefix_cache import NO_HIT, PrefixCache
 from miles.engines.embedded_engine.protocol import SamplingParams
 from miles.engines.embedded_engine.runner import ModelRunner
 from miles.engines.embedded_engine.sampling import SamplingBatch, device_uniforms, sample
@@ -95,9 +106,14 @@ class Request:
     finish: dict | None = None
     matched_stop_str: str | None = None
     num_retractions: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
     # placement
     row: int = 0
     slots: list[np.ndarray] = field(default_factory=list)
+    prefix: object = None   # the prefix cache node this request locked (None: no hit)
+    prefix_len: int = 0     # leading slots owned by the prefix cache
+    kv_epoch: int = -1      # the prefix cache's epoch when this request's KV was computed
+    admitted: bool = False  # counted in the hit-rate totals
     # timing / notification
     created_s: float = field(default_factory=time.time)
     finished_s: float = 0.0
@@ -135,7 +151,8 @@ class _Window:
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_running_requests: int, max_prefill_tokens: int,
                  weight_version: str, detokenize=None, stats_interval_s: float = 30.0,
-                 prefill_interval: int = 4, inline_steps: str = "auto"):
+                 prefill_interval: int = 4, inline_steps: str = "auto", prefix_cache: bool = True,
+                 prefix_cache_max_share: float = 0.5):
         self.runner = runner
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -152,7 +169,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self.last_step_s = time.time()
         self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "finished": 0,
-                      "aborted": 0, "retractions": 0}
+                      "aborted": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self.layers_topk = (runner.shape.num_layers, runner.shape.num_experts_per_tok)
         self.stats_interval_s = stats_interval_s
         if prefill_interval < 0:
@@ -166,6 +183,11 @@ class Scheduler:
         self.inline_steps = inline_steps
         self._decodes_since_prefill = 0
         self._window = _Window()
+        if not 0.0 <= prefix_cache_max_share <= 1.0:
+            raise ValueError(f"prefix_cache_max_share: {prefix_cache_max_share} is not in [0, 1]")
+        self.cache = PrefixCache(runner.kv, int(prefix_cache_max_share * runner.max_total_tokens)) \
+            if prefix_cache else None
+        self._prefilling: list[Request] = []  # admitted, not yet running (an error finishes them)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -213,7 +235,8 @@ class Scheduler:
             raise ValueError(f"rid: {req.rid!r} is already in flight")
         if req.return_routed_experts and self.runner.shape.is_moe:
             L, k = self.layers_topk
-            req.routed = np.zeros((len(req.input_ids) + req.max_new_tokens, L, k), dtype=np.int32)
+            # -1 (SGLang's "no expert") until a forward writes a row: never a silent expert 0
+            req.routed = np.full((len(req.input_ids) + req.max_new_tokens, L, k), -1, dtype=np.int32)
         self.by_rid[req.rid] = req
         self.waiting.append(req)
         self._wake.set()
@@ -227,6 +250,11 @@ class Scheduler:
                 self._finish(req, {"type": "abort", "message": message, "status_code": None,
                                    "err_type": None})
             return len(targets)
+
+    def flush_prefix_cache(self) -> None:
+        """Drop the prefix cache (weights changed, or /flush_cache). Call under `step_lock`."""
+        if self.cache is not None:
+            self.cache.reset()
 
     # ---- pause / continue ------------------------------------------------------------------
 
@@ -285,9 +313,11 @@ class Scheduler:
                         self._window.add("decode_rows", n)
                 except Exception as e:  # a bug in one step must not kill the server
                     log.exception("engine step failed; aborting the requests of that step")
-                    for req in list(self.running):
+                    for req in list(self.running) + self._prefilling:
                         self._finish(req, {"type": "abort", "message": f"engine error: {e!r}",
                                            "status_code": 500, "err_type": "InternalServerError"})
+                finally:
+                    self._prefilling = []
             await asyncio.sleep(0)  # let HTTP handlers and control calls in between steps
 
     def _log_window(self) -> None:
@@ -297,12 +327,13 @@ class Scheduler:
         steps = g("decodes")
         log.info("engine stats over %.1f s: decode %d steps, batch %.1f, %.2f ms/step | prefill %d "
                  "(%d requests, %.1f ms) | paused %.1f ms, idle %.1f ms | %.0f tok/s | "
-                 "running %d, waiting %d | cuda graphs captured %d (%.1f ms, %d in all) | "
+                 "running %d, waiting %d | prefix cache hit rate %.3f, %d tokens | cuda graphs captured %d (%.1f ms, %d in all) | "
                  "compute thread: decode %.2f ms/step, prefill %.1f ms",
                  w.age(), steps, g("decode_rows") / max(steps, 1), 1e3 * g("decode_s") / max(steps, 1),
                  g("prefills"), g("prefill_reqs"), 1e3 * g("prefill_s"), 1e3 * g("paused_s"),
                  1e3 * g("idle_s"), (self.stats["generated_tokens"] - w.tokens0) / max(w.age(), 1e-9),
-                 len(self.running), len(self.waiting), captured - w.captured0,
+                 len(self.running), len(self.waiting), self.cache_hit_rate(),
+                 self.cache.tokens if self.cache else 0, captured - w.captured0,
                  1e3 * ((self.runner.graphs.capture_s if self.runner.graphs else 0.0) - w.capture_s0),
                  captured, 1e3 * g("decode_compute_s") / max(steps, 1), 1e3 * g("prefill_compute_s"))
         self._window.tokens0 = self.stats["generated_tokens"]
@@ -321,34 +352,79 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.max_running and kv.free_rows:
             req = self.waiting[0]
-            need = len(req.input_ids) + len(req.output_ids)
+            hit = self._match(req)
+            need = len(req.input_ids) + len(req.output_ids) - hit.length
             if batch and tokens + need > self.max_prefill_tokens:
                 break
             # one free slot for the next token of every request that will be decoding
             headroom = len(self.running) + len(batch) + (req.max_new_tokens > len(req.output_ids))
+            if hit.length:
+                self.cache.lock(hit.node)  # before evicting: the hit itself must stay
+            if kv.free_slots < need + headroom and self.cache is not None:
+                self.cache.evict(need + headroom - kv.free_slots)
             if kv.free_slots < need + headroom:
+                if hit.length:
+                    self.cache.unlock(hit.node)
                 break
             self.waiting.popleft()
             req.row = kv.alloc_row()
-            req.slots = [kv.alloc(need)]
+            req.slots = [np.concatenate([hit.slots, kv.alloc(need)])]
+            if hit.length:
+                req.prefix, req.prefix_len = hit.node, hit.length
+                if req.routed is not None:
+                    req.routed[:hit.length] = hit.routing
+            req.kv_epoch = self.cache.epoch if self.cache is not None else -1
+            if not req.admitted:
+                req.admitted = True
+                req.cached_tokens = min(hit.length, len(req.input_ids))
+                self.stats["prompt_tokens"] += len(req.input_ids)
+                self.stats["cached_tokens"] += req.cached_tokens
             batch.append(req)
             tokens += need
+        self._prefilling = batch
         return batch
 
-    def _release_kv(self, req: Request) -> None:
-        if req.slots:
-            for s in req.slots:
-                self.runner.kv.free(s)
-            req.slots = []
-            self.runner.kv.free_row(req.row)
-            req.row = 0
+    def _match(self, req: Request):
+        """The request's longest usable cached prefix: at most all but its last token (one must be
+        forwarded for the next token's logits), not past the first position whose prompt logprobs
+        it wants, and only entries with routing if it records routed experts."""
+        n = len(req.input_ids) + len(req.output_ids)
+        if self.cache is None:
+            return NO_HIT
+        limit = n - 1
+        if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return self.cache.match(req.all_tokens, limit, need_routing=req.routed is not None)
+
+    def cache_hit_rate(self) -> float:
+        return self.stats["cached_tokens"] / max(self.stats["prompt_tokens"], 1)
+
+    def _release_kv(self, req: Request, cache: bool = False) -> None:
+        """Free the request's KV: its own slots back to the pool, or (`cache`) into the prefix
+        cache, unless its KV predates the last reset (it crossed a weight update)."""
+        if not req.slots:
+            return
+        slots = np.concatenate(req.slots)
+        if cache and self.cache is not None and req.kv_epoch == self.cache.epoch:
+            routing = req.routed[:len(slots)] if req.routed is not None else None
+            self.cache.insert(req.all_tokens[:len(slots)], slots, req.prefix_len, routing)
+        else:
+            self.runner.kv.free(slots[req.prefix_len:])
+        if req.prefix is not None:
+            self.cache.unlock(req.prefix)
+            self.cache.trim()  # what it referenced may now go, if over budget
+        req.prefix, req.prefix_len = None, 0
+        req.slots = []
+        self.runner.kv.free_row(req.row)
+        req.row = 0
 
     def _finish(self, req: Request, reason: dict) -> None:
         if req.finished:
             return
         req.finish = reason
         req.finished_s = time.time()
-        self._release_kv(req)
+        # An engine error may have left this step's slots unwritten: never cache those.
+        self._release_kv(req, cache=reason.get("status_code") != 500)
         # Membership first: a failed deque.remove formats the repr of the whole Request.
         if req in self.running:
             self.running.remove(req)
@@ -363,6 +439,7 @@ class Scheduler:
 
     async def _prefill(self, batch: list[Request]) -> None:
         seqs = [r.all_tokens for r in batch]
+        prefix = [r.prefix_len for r in batch]
         starts = []
         for r, s in zip(batch, seqs):
             wants_input = r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids
@@ -373,7 +450,7 @@ class Scheduler:
         def compute():
             uniforms = device_uniforms(sb, self.runner.device)  # before the forward: see there
             per_seq, routing = self.runner.prefill(seqs, [r.row for r in batch],
-                                                   [r.slots[0] for r in batch], starts, capture)
+                                                   [r.slots[0] for r in batch], starts, capture, prefix)
             out = sample(torch.stack([lg[-1] for lg in per_seq]), sb, uniforms)
             input_lps = []
             for r, s, start, lg in zip(batch, seqs, starts, per_seq):
@@ -386,7 +463,7 @@ class Scheduler:
             return _to_host(out), routing, input_lps
 
         (tokens, logprobs, tops), routing, input_lps = await self._timed_compute(
-            "prefill_compute_s", compute, sum(len(q) for q in seqs), prefill=True)
+            "prefill_compute_s", compute, sum(len(q) - p for q, p in zip(seqs, prefix)), prefill=True)
         self.stats["prefills"] += 1
         for i, req in enumerate(batch):
             if req.finished:  # aborted while computing cannot happen (lock), but stay safe
@@ -395,19 +472,42 @@ class Scheduler:
                 first = max(req.logprob_start_len, 0)
                 req.input_logprobs = ([None] if first == 0 else []) + input_lps[i]
             if routing is not None and req.routed is not None:
-                n = len(routing[i])
-                req.routed[:n] = routing[i]
+                req.routed[prefix[i]:prefix[i] + len(routing[i])] = routing[i]
+            self._cache_prefilled(req)
             self.running.append(req)
             if req.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
                 continue
             self._append(req, tokens[i], logprobs[i], tops[i] if tops else None)
 
+    def _cache_prefilled(self, req: Request) -> None:
+        """Put a just-prefilled request's forwarded tokens into the prefix cache, referenced by
+        the request from now on; where the cache already held them (a sample of the same prompt
+        in this prefill), the request moves onto the cache's slots and its copies are freed."""
+        if self.cache is None or req.kv_epoch != self.cache.epoch:
+            return
+        slots = req.slots[0]
+        if len(slots) <= req.prefix_len:
+            return
+        routing = req.routed[:len(slots)] if req.routed is not None else None
+        node, held = self.cache.insert(req.all_tokens[:len(slots)], slots, req.prefix_len, routing,
+                                       lock=True)
+        if req.prefix is not None:
+            self.cache.unlock(req.prefix)
+        req.prefix, req.prefix_len = node, len(slots)
+        if not np.array_equal(held, slots):
+            req.slots = [held]
+            self.runner.set_row_slots(req.row, held)
+
     # ---- decode ----------------------------------------------------------------------------
 
     async def _decode(self) -> None:
         kv = self.runner.kv
-        while kv.free_slots < len(self.running) and len(self.running) > 1:
+        while kv.free_slots < len(self.running):
+            if self.cache is not None and self.cache.evict(len(self.running) - kv.free_slots):
+                continue  # unreferenced cache entries go before any running request
+            if len(self.running) <= 1:
+                break
             victim = self.running.pop()  # newest first, like SGLang's retract_decode
             self._release_kv(victim)
             victim.num_retractions += 1
@@ -491,12 +591,17 @@ class Scheduler:
 
     def load(self) -> dict:
         kv = self.runner.kv
-        used = self.runner.max_total_tokens - (kv.free_slots)
+        # Like SGLang: evictable cache entries count as free
+        evictable = self.cache.evictable_tokens() if self.cache is not None else 0
+        used = self.runner.max_total_tokens - kv.free_slots - evictable
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
                 "num_tokens": sum(len(r.input_ids) + len(r.output_ids) for r in self.running),
                 "num_used_tokens": max(used, 0), "max_total_num_tokens": self.runner.max_total_tokens,
                 "token_usage": max(used, 0) / max(self.runner.max_total_tokens, 1),
-                "paused": self.paused}
+                "paused": self.paused, "cache_hit_rate": self.cache_hit_rate(),
+                "cached_tokens_total": self.stats["cached_tokens"],
+                "prompt_tokens_total": self.stats["prompt_tokens"],
+                "prefix_cache_tokens": self.cache.tokens if self.cache is not None else 0}
 
 
 def _to_host(out):

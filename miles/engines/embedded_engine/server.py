@@ -8,7 +8,10 @@ Design decisions:
   pipelined `load_format: "flattened_bucket"` distributed update (weights.py) with an optional
   `bucket_seq` that orders receives so a trainer may keep several calls in flight, and extra keys in
   `/model_info` (`num_hidden_layers`, `num_experts_per_tok`, ...) that let a client decode routed
-  experts without reading config.json.
+  experts without reading config.json; the P2P weight routes (p2p_routes.py).
+- At --tp-size > 1 (tp.py) `/server_info` says `tp_size: N`; `/weights_checksum` and
+  `/get_weights_by_name` answer for the full tensors (gathered to rank 0 under the step lock);
+  the one-rank update paths (tensor, distributed, delta) answer 400 naming `tp_size`.
 - Bad input gets a 400 `{"error": {"message", "type", "param", "code"}}` naming the field and value
   and nothing is queued; an exception inside a handler becomes a 500 with the same shape. The
   scheduler keeps running either way.
@@ -88,6 +91,8 @@ class EngineServer:
                                    stats_interval_s=args.log_stats_interval_s,
                                    prefill_interval=args.prefill_interval_steps,
                                    inline_steps=args.inline_steps,
+                                   prefix_cache=not args.disable_radix_cache,
+                                   prefix_cache_max_share=args.prefix_cache_max_share,
                                    detokenize=self._detok if tokenizer is not None else None)
         self.groups = W.UpdateGroups(runner.device)
         self._bucket_turn = asyncio.Condition()
@@ -130,7 +135,9 @@ class EngineServer:
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_get("/weights_checksum", self.weights_checksum)
-        r.add_post("/update_weights_from_delta", self.delta.handle)
+        r.add_post("/update_weights_from_delta", self.update_weights_from_delta)
+        from miles.engines.embedded_engine.p2p_routes import P2PRoutes
+        P2PRoutes(self).add_to(r)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         app.middlewares.append(_errors_middleware)
@@ -141,6 +148,13 @@ class EngineServer:
 
     async def _on_cleanup(self, _app) -> None:
         await self.scheduler.close()
+        if self.runner.tp is not None:  # the TP workers: told to stop, then ended
+            try:
+                self.runner.stop_workers()
+            except Exception:  # noqa: BLE001 - a worker may be gone already
+                pass
+            if getattr(self, "tp_workers", None) is not None:
+                self.tp_workers.stop()
 
     # ---- /generate -------------------------------------------------------------------------
 
@@ -330,7 +344,7 @@ class EngineServer:
         meta: dict = {
             "id": r.rid, "finish_reason": r.finish,
             "prompt_tokens": len(r.input_ids), "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0, "weight_version": self.scheduler.weight_version,
+            "cached_tokens": r.cached_tokens, "weight_version": self.scheduler.weight_version,
             "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in r.spans],
             "num_retractions": r.num_retractions,
             "e2e_latency": (r.finished_s or time.time()) - r.created_s, "dp_rank": 0,
@@ -400,6 +414,7 @@ class EngineServer:
             "context_length": self.runner.context_length, "num_hidden_layers": s.num_layers,
             "num_experts": s.num_experts, "num_experts_per_tok": s.num_experts_per_tok,
             "dtype": self.args.dtype, "device": str(self.runner.device),
+            "quantization": getattr(self.args, "quantization", None),
         }
 
     async def model_info(self, _request) -> web.Response:
@@ -410,7 +425,8 @@ class EngineServer:
         info = {k: v for k, v in vars(a).items() if isinstance(v, (str, int, float, bool, type(None)))}
         info.update({
             "model_path": self.model_path, "served_model_name": self.served_model_name,
-            "version": ENGINE_VERSION, "startup_time": self.started_s, "dp_size": 1, "tp_size": 1,
+            "version": ENGINE_VERSION, "startup_time": self.started_s, "dp_size": 1,
+            "tp_size": self.runner.tp.size if self.runner.tp is not None else 1,
             "pp_size": 1, "ep_size": 1, "max_total_num_tokens": self.runner.max_total_tokens,
             "context_length": self.runner.context_length, "page_size": 1,
             "max_running_requests": a.max_running_requests, "weight_version": self.scheduler.weight_version,
@@ -448,8 +464,10 @@ class EngineServer:
         label = f'{{model_name="{self.served_model_name}"}}'
         gauges = {"num_running_reqs": ld["num_running_reqs"], "num_queue_reqs": ld["num_waiting_reqs"],
                   "num_used_tokens": ld["num_used_tokens"], "token_usage": ld["token_usage"],
-                  "max_total_num_tokens": ld["max_total_num_tokens"]}
+                  "max_total_num_tokens": ld["max_total_num_tokens"],
+                  "cache_hit_rate": ld["cache_hit_rate"]}
         counters = {"generation_tokens_total": st["generated_tokens"],
+                    "prompt_tokens_total": st["prompt_tokens"], "cached_tokens_total": st["cached_tokens"],
                     "num_requests_total": st["finished"] + st["aborted"],
                     "num_aborted_requests_total": st["aborted"], "num_retractions_total": st["retractions"]}
         lines = []
@@ -484,6 +502,8 @@ class EngineServer:
         if sch.running or sch.waiting:
             return web.Response(status=400, text="Cache not flushed: there are running or waiting "
                                 f"requests ({len(sch.running)} running, {len(sch.waiting)} waiting).")
+        async with sch.step_lock:
+            sch.flush_prefix_cache()
         return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
                             "(When there are running or waiting requests, the operation will not be performed.)\n")
 
@@ -495,7 +515,10 @@ class EngineServer:
             async with sch.step_lock:
                 if fn is not self.groups.receive:  # a pipelined flat bucket must land first
                     await sch.run_compute(self.groups.complete_pending, self.runner.model.weights)
-                await sch.run_compute(fn, *args)
+                try:
+                    await sch.run_compute(fn, *args)
+                finally:  # even a failed update may have changed some tensors
+                    sch.flush_prefix_cache()
                 self.weights_serial += 1
                 if weight_version is not None:
                     sch.weight_version = weight_version
@@ -510,11 +533,22 @@ class EngineServer:
 
     async def update_weights_from_disk(self, request) -> web.Response:
         b = decode_body(await request.read(), P.UpdateWeightsFromDiskReq, "update_weights_from_disk")
-        return await self._update(W.load_from_disk, self.runner.model.weights, b.model_path,
+        return await self._update(self.runner.load_from_disk, b.model_path,
                                   weight_version=b.weight_version, abort_all=b.abort_all_requests,
                                   model_path=b.model_path)
 
+    async def update_weights_from_delta(self, request) -> web.Response:
+        self._single_rank("/update_weights_from_delta (weights.transport = \"disk_delta\")")
+        return await self.delta.handle(request)
+
+    def _single_rank(self, what: str) -> None:
+        if self.runner.tp is not None:
+            raise BadRequest(f"{what} is not supported by the embedded engine at --tp-size "
+                             f"{self.runner.tp.size}; use /update_weights_from_disk or the P2P "
+                             "transfer (weights.transport = \"p2p\")", "tp_size")
+
     async def update_weights_from_tensor(self, request) -> web.Response:
+        self._single_rank("/update_weights_from_tensor")
         b = decode_body(await request.read(), P.UpdateWeightsFromTensorReq, "update_weights_from_tensor")
         if b.load_format not in (None, "safetensors", "direct", W.CUDA_IPC_FORMAT):
             raise BadRequest(f"load_format: {b.load_format!r} is not supported by the embedded engine "
@@ -535,6 +569,7 @@ class EngineServer:
                                   weight_version=b.weight_version, abort_all=b.abort_all_requests)
 
     async def init_weights_update_group(self, request) -> web.Response:
+        self._single_rank("/init_weights_update_group (weights.transport = \"nccl\")")
         b = decode_body(await request.read(), P.InitWeightsUpdateGroupReq, "init_weights_update_group")
         try:
             await asyncio.to_thread(self.groups.init, b.master_address, b.master_port, b.rank_offset,
@@ -553,6 +588,7 @@ class EngineServer:
         return _json({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def update_weights_from_distributed(self, request) -> web.Response:
+        self._single_rank("/update_weights_from_distributed")
         b = decode_body(await request.read(), P.UpdateWeightsFromDistributedReq,
                         "update_weights_from_distributed")
         t0 = time.perf_counter()
@@ -600,9 +636,11 @@ class EngineServer:
             try:  # the barrier after a pipelined distributed update: its last bucket lands here
                 await self.scheduler.run_compute(self.groups.complete_pending, self.runner.model.weights)
             except (ValueError, KeyError, RuntimeError) as e:
+                self.scheduler.flush_prefix_cache()
                 return _json({"success": False, "message": f"Failed to complete the weight update: "
                               f"{e}", "new_version": self.scheduler.weight_version}, 400)
             self.scheduler.weight_version = b.new_version
+            self.scheduler.flush_prefix_cache()  # a version barrier: the weights may have changed
         timing = {**self._recv_timing, **self.groups.take_timing()}
         self._recv_timing = {}
         if timing:
@@ -618,11 +656,13 @@ class EngineServer:
             raw = msgspec.json.encode({"name": request.query["name"]})
         b = decode_body(raw, P.GetWeightsByNameReq, "get_weights_by_name")
         try:
-            t = self.runner.model.weights.lookup(b.name)
+            self.runner.model.weights.full_shape(b.name)
         except KeyError as e:
             raise BadRequest(e.args[0], "name") from None
-        head = await self.scheduler.run_compute(
-            lambda: t.detach().float().reshape(-1)[:b.truncate_size].cpu().tolist())
+        async with self.scheduler.step_lock:  # at tp > 1 a gather: one command among the steps
+            head = await self.scheduler.run_compute(
+                lambda: self.runner.full_tensor(b.name).detach().float().reshape(-1)[
+                    :b.truncate_size].cpu().tolist())
         return _json(head)
 
     async def weights_checksum(self, request) -> web.Response:
@@ -638,8 +678,7 @@ class EngineServer:
         try:
             async with self.scheduler.step_lock:
                 await self.scheduler.run_compute(self.groups.complete_pending, self.runner.model.weights)
-                sums = await self.scheduler.run_compute(W.checksums, self.runner.model.weights, names,
-                                                        algorithm)
+                sums = await self.scheduler.run_compute(self.runner.checksums, names, algorithm)
         except KeyError as e:
             raise BadRequest(e.args[0], "names") from None
         return _json({"algorithm": algorithm, "dtype": self.args.dtype,

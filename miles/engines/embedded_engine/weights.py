@@ -31,6 +31,9 @@ Design decisions:
   that cannot be (another dtype or device) lands in a scratch tensor copied in like a flat one.
   The engine is paused for the update, as for every distributed update; a bucket with a bad name
   or shape is still drained, into scratch only, then refused.
+- At --tp-size > 1 a disk update checks names and shapes against the *full* model
+  (`Weights.full_shape`) and each rank copies in its own slice (`Weights.copy_in`); the other
+  update paths are one-rank only (the server refuses them at tp > 1).
 - Checksums are the trainer's own functions (miles/weights/checks.py: sha256 of each tensor's raw
   bytes, or the device digest), in the engine's dtype, keyed by checkpoint name, so both sides
   can never compute them differently.
@@ -64,9 +67,11 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def check_names_shapes(weights: Weights, items: list[tuple[str, tuple[int, ...]]]) -> None:
     for name, shape in items:
-        dst = weights.lookup(name)  # KeyError names the weight
-        if tuple(dst.shape) != tuple(shape):
-            raise ValueError(f"weight {name!r}: shape {list(shape)} != the engine's {list(dst.shape)}")
+        if weights.quant is not None and weights.quant.check_shape(name, tuple(shape)):
+            continue  # a quantized part (quantized.py)
+        expected = weights.full_shape(name)  # KeyError names the weight; the full model's shape
+        if tuple(expected) != tuple(shape):
+            raise ValueError(f"weight {name!r}: shape {list(shape)} != the engine's {list(expected)}")
 
 
 def check_same_architecture(weights: Weights, model_path: str) -> None:
@@ -329,7 +334,8 @@ class UpdateGroups:
             wire.append(flat)
         scratch = []
         for name, shape in zip(names[flat_count:], shapes[flat_count:]):
-            dst = weights.lookup(name) if bad is None else None
+            dst = weights.lookup(name) if bad is None and not (
+                weights.quant is not None and weights.quant.owns(name)) else None
             if dst is not None and dst.dtype == dtype and dst.device == recv_device \
                     and dst.is_contiguous():
                 wire.append(dst.view(-1))  # straight into the parameter
