@@ -67,6 +67,12 @@ class Ok(Message):
     detail: str = ""
 
 
+class Published(Ok):
+    """A trainer rank's answer to PublishWeights; rank 0's carries the publish's `weights/...`
+    metrics (stall time and its parts, PublishReport.metrics)."""
+    metrics: dict[str, float] = {}
+
+
 class ErrorReply(Message):
     """A handler raised or a frame was refused; carries the remote error for the caller."""
     error_type: str
@@ -134,6 +140,7 @@ class ActorInfo(Message):
     pid: int = 0
     node_rank: int = 0
     last_seen_s: float = 0.0    # seconds since the last heartbeat
+    loop_lag_ms: float = 0.0    # its event loop's lag, as its last heartbeat reported
     # The connection it registered and heart-beats on is gone (it exited or died): lookups treat
     # it as gone at once, while `alive` (heartbeats) lags by up to the liveness timeout.
     disconnected: bool = False
@@ -181,10 +188,13 @@ class Sample(Message):
     response_length: int = 0
     loss_mask: np.ndarray | None = None         # uint8 over the response: 1 = trained on
     rollout_logprobs: np.ndarray | None = None  # float32 over the response
+    # float32 over the response: a teacher's log-prob of each sampled token (on-policy distillation
+    # scored by a teacher engine on the rollout side; miles/backends/teacher.py)
+    teacher_logprobs: np.ndarray | None = None
     weight_versions: list[VersionSpan] = []
     reward: float | dict[str, float] | None = None
     status: SampleStatus = "pending"
-    routed_experts: np.ndarray | None = None    # int32 (len(tokens)-1, layers, top_k) for R3
+    routed_experts: np.ndarray | None = None    # R3: uint8/uint16 (len(tokens)-1, layers, top_k), miles.algo.routing
     group_id: str = ""
     rollout_id: str = ""                        # siblings of one trajectory tree share it
     index: int = 0                              # position inside its group
@@ -193,7 +203,7 @@ class Sample(Message):
     response: str = ""                          # decoded response text (for reward functions)
     metadata: dict[str, Any] = {}
 
-    RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = ("loss_mask", "rollout_logprobs")
+    RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = ("loss_mask", "rollout_logprobs", "teacher_logprobs")
 
     @property
     def prompt_length(self) -> int:
@@ -375,9 +385,24 @@ class PauseAdmission(Message):
     paused: bool
 
 
+class BatchIndex(Message):
+    """What a trainer rank must know of the WHOLE step batch when it receives only its data-parallel
+    share (`TrainStep.samples`): enough to compute the batch plan, the step denominators and the
+    global sample count exactly as from the whole batch. A few bytes per sample, as raw frames."""
+    lengths: np.ndarray           # int32 [S]: len(tokens) of every sample of the batch
+    group_index: np.ndarray       # int32 [S]: groups numbered in order of first appearance
+    rollout_index: np.ndarray     # int32 [S]: rollouts numbered so (no rollout_id: its own)
+    trained_tokens: np.ndarray    # int32 [S]: response tokens with loss_mask 1
+    positions: np.ndarray         # int32 [L]: the global position of each of TrainStep.samples
+    all_rollout_logprobs: bool = False  # every sample of the batch carries rollout log-probs
+
+
 class TrainStep(Message):
     samples: list[Sample]
     phase: Literal["rl", "sft"] = "rl"
+    # None: `samples` is the whole batch (on every rank). Set: `samples` is this rank's DP share,
+    # at `index.positions` of a batch the index describes (`miles.loop.shard_batch`).
+    index: BatchIndex | None = None
 
 
 class TrainResult(Message):
@@ -418,6 +443,8 @@ class EngineSet(Message):
     generation: int = 0             # bumped by the fleet on every change of the engine set
     pending_urls: list[str] = []    # (re)started engines waiting for the current weights; not
                                     # in the gateway until the driver says EnginesUpdated
+    session_url: str = ""           # the TITO session server in front of the gateway ("" if off)
+    session_token_file: str = ""    # file holding its per-job token (0600; never on the wire)
 
 
 class EnginesUpdated(Message):

@@ -33,6 +33,14 @@ Design decisions:
   file descriptor and drains every ready message synchronously, and sends go straight to ZeroMQ
   (its queues are unbounded here, so a send never blocks). This removes a future and a poller
   round per message, which is most of the per-call cost on a small machine.
+- A call to an actor on this host whose arrays reach `Connection.shm_min_bytes` sends them
+  through one shared-memory segment (`miles.wire.shm`), unlinked when the call ends in any way.
+  If the actor cannot see the segment (`ShmUnavailable`: not one /dev/shm after all), the call
+  is re-sent as frames at once and the connection stops using shared memory. The segment is
+  written in a worker thread (`pwritev` releases the GIL): the event loop keeps serving, and
+  calls to several ranks write their segments at once, as ZeroMQ's I/O thread copies frames
+  for several sockets at once. Such a call leaves after the write, so a smaller message sent
+  meanwhile on the same connection may overtake it (calls never had an order among themselves).
 - With CurveZMQ keys (`miles.wire.auth`), the inbox is a CURVE server and every connection a CURVE
   client; without them the sockets are plain. A connection whose handshake fails (keys on one end
   only, or the wrong keys) fails its calls at once with a message saying so.
@@ -41,6 +49,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 from typing import Awaitable, Callable
@@ -48,8 +57,8 @@ from typing import Awaitable, Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from miles.wire import auth
-from miles.wire.codec import Codec, WireError
+from miles.wire import auth, shm
+from miles.wire.codec import Codec, ShmUnavailable, WireError, shm_size
 from miles.wire.messages import ErrorReply, Header, Message, Ok
 
 log = logging.getLogger(__name__)
@@ -253,12 +262,15 @@ class Connection:
     """A DEALER connection to one endpoint, shared by every call and stream to it.
 
     `fail_if_refused`: fail every call at once if the first connect is refused (set for
-    connections to named actors, whose endpoint came from the registry)."""
+    connections to named actors, whose endpoint came from the registry). `shm_min_bytes` > 0:
+    calls with at least that many array bytes go through shared memory (same host only: the
+    runtime sets it from `shm.same_host`)."""
 
     def __init__(self, ctx: zmq.Context, codec: Codec, endpoint: str, sender: str = "",
                  curve: auth.CurveKeys | None = None):
         self.codec, self.endpoint, self.sender = codec, endpoint, sender
         self.fail_if_refused = False
+        self.shm_min_bytes = 0
         self.sock = ctx.socket(zmq.DEALER)
         tune(self.sock)
         if curve is not None:
@@ -294,19 +306,40 @@ class Connection:
         id = next(self._ids)
         fut = self.loop.create_future()
         self.pending[id] = fut
-        timer = None
+        timer = segment = None
+        started = self.loop.time()
         try:
-            self.send_now(kind, msg, id)
+            if self.lost:
+                raise self.lost
+            frames = self.codec.encode(kind, msg, id, self.sender)
+            size = shm_size(frames, self.shm_min_bytes)
+            if size:
+                shared = await _write_segment(self.codec, kind, msg, id, self.sender, size)
+                if shared is not None:
+                    frames, segment = shared
+                if self.lost:  # it dropped while the segment was written
+                    raise self.lost
+            self._pump.send(frames)
             if timeout_s is not None:
                 timer = self.loop.call_later(max(0.0, timeout_s), _expire, fut)
             return await fut
         except (asyncio.TimeoutError, asyncio.CancelledError):
             self._cancel(id)
             raise
+        except RemoteError as e:
+            if segment is None or e.reply.error_type != ShmUnavailable.__name__:
+                raise
+            log.warning("%s cannot see this host's shared memory (%s); sending as frames from "
+                        "now on", self.endpoint, e.reply.message)
+            self.shm_min_bytes = 0
         finally:
             if timer is not None:
                 timer.cancel()
             self.pending.pop(id, None)
+            if segment is not None:
+                shm.unlink(segment)
+        left = None if timeout_s is None else timeout_s - (self.loop.time() - started)
+        return await self.request(kind, msg, left)
 
     def _cancel(self, id: int) -> None:
         """Tell the actor that nobody waits for call `id` any more."""
@@ -372,6 +405,29 @@ class Connection:
             pass
         self._monitor_pump.close()
         self._pump.close()
+
+
+_writers: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def _write_segment(codec: Codec, kind: str, msg: Message, id: int, sender: str,
+                         size: int) -> tuple[list, str] | None:
+    """`codec.encode_shared` in a worker thread; a caller cancelled meanwhile still gets the
+    segment unlinked once the thread has written it."""
+    global _writers
+    if _writers is None:
+        _writers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="miles-shm")
+    job = _writers.submit(codec.encode_shared, kind, msg, id, sender, size)
+    try:
+        return await asyncio.shield(asyncio.wrap_future(job))
+    except asyncio.CancelledError:
+        job.add_done_callback(_unlink_result)
+        raise
+
+
+def _unlink_result(job: concurrent.futures.Future) -> None:
+    if not job.cancelled() and job.exception() is None and job.result() is not None:
+        shm.unlink(job.result()[1])
 
 
 def _expire(fut: asyncio.Future) -> None:
