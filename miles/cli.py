@@ -1,5 +1,7 @@
 """The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`,
-`miles replay runs/<name>/wire/driver.mlw [--step N] [--resend URL]` (see `miles/replay.py`).
+`miles replay runs/<name>/wire/driver.mlw [--step N] [--resend URL]` (see `miles/replay.py`),
+`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR` (see `miles/ops_cli.py`),
+`miles plan recipe.toml [--gpus N] [--model-size S]` (a capacity model, see `miles/plan.py`).
 
 Both commands run the same checks first (`load_recipe`, then `check_recipe`): a broken recipe ends
 with exit code 2 and one line, `miles: <source>: <key.path> = <value>: <what was expected>`,
@@ -28,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="SECTION.KEY=VALUE", help="override a recipe value (repeatable)")
     # listed for --help only: `miles replay ...` is dispatched before this parser (see main)
     sub.add_parser("replay", help="re-run a step recorded by logging.record_wire (miles replay -h)")
+    sub.add_parser("dashboard", help="serve a run's dashboard: miles dashboard runs/<name>")
+    sub.add_parser("status", help="a live run's actors, restarts and lag: miles status runs/<name>")
+    sub.add_parser("logs", help="an actor's log: miles logs runs/<name> ACTOR [-n N] [-f]")
+    sub.add_parser("plan", help="predict step time, idle and staleness: miles plan recipe.toml --gpus N")
     return p
 
 
@@ -45,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["replay"]:  # its own flags (miles/replay.py)
         from miles.replay import main as replay_main
         return replay_main(argv[1:])
+    if argv[:1] and argv[0] in ("dashboard", "status", "logs"):
+        from miles.ops_cli import COMMANDS
+        return COMMANDS[argv[0]](argv[1:])
+    if argv[:1] == ["plan"]:
+        from miles.plan import main as plan_main
+        return plan_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)

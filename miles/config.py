@@ -36,9 +36,11 @@ from msgspec import Meta
 from miles.algo.config import LossConfig
 from miles.backends.config import TrainConfig
 from miles.weights.config import WeightsConfig
-from miles.rl.config import (BufferConfig, Count, DataConfig, EngineConfig, EvalConfig,
+from miles.quant.config import QuantConfig
+from miles.rl.config import (AgentConfig, BufferConfig, Count, DataConfig, EngineConfig, EvalConfig,
                              LoggingConfig, LoopConfig, ModelConfig, NonNegative, Positive,
-                             RolloutConfig, Seconds, SFTConfig)
+                             RolloutConfig, SandboxConfig, Seconds, SessionConfig,
+                             SFTConfig)
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 
@@ -72,6 +74,12 @@ class ClusterConfig(Base):
     shutdown_grace_s: NonNegative = 10.0  # SIGTERM -> SIGKILL for children at shutdown
     start_timeout_s: Seconds = 120.0  # an actor must register within this
     auth: Literal["none", "curve"] = "none"  # curve: CurveZMQ keys made per job, passed by env
+    # Same-node bulk data (a TrainStep's arrays) goes through shared memory when a message's array
+    # bytes reach this; 0 sends every array as ZeroMQ frames (miles/wire/shm.py).
+    shm_min_bytes: Count = 8 << 20
+    # A node daemon that stops answering the head for this long is lost: the job stops with a
+    # named error (docs/recovery.md); the same command resumes from the newest checkpoint.
+    node_timeout_s: Seconds = 30.0
 
 
 class ActorSpec(Base):
@@ -80,6 +88,9 @@ class ActorSpec(Base):
     node: Count = 0
     nodes: list[Count] | None = None  # several nodes: one process group spread over them
     procs_per_node: Positive = 1      # > 1 or several nodes: ranks launched like torchrun
+    # With `nodes`: one independent actor per listed node instead of one process group (named
+    # `<role>` on the first node, `<role>@<k>` on node k); the engine fleet is placed this way.
+    per_node: bool = False
     distributed: bool = False         # set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
     main: bool = False                # the job ends when this actor finishes
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
@@ -100,6 +111,9 @@ class Recipe(Base):
     model: ModelConfig = _section(ModelConfig)
     data: DataConfig = _section(DataConfig)
     rollout: RolloutConfig = _section(RolloutConfig)
+    agent: AgentConfig = _section(AgentConfig)
+    sandbox: SandboxConfig = _section(SandboxConfig)
+    session: SessionConfig = _section(SessionConfig)
     buffer: BufferConfig = _section(BufferConfig)
     engine: EngineConfig = _section(EngineConfig)
     train: TrainConfig = _section(TrainConfig)
@@ -108,6 +122,7 @@ class Recipe(Base):
     sft: SFTConfig = _section(SFTConfig)
     logging: LoggingConfig = _section(LoggingConfig)
     weights: WeightsConfig = _section(WeightsConfig)
+    quant: QuantConfig = _section(QuantConfig)
 
     @property
     def output_dir(self) -> Path:
@@ -318,6 +333,9 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
         module, _, attr = spec.cls.partition(":")
         if not module or not attr:
             raise bad_value(source, f"actors.{name}.class", spec.cls, "expected 'module:Class'")
+        if spec.per_node and spec.procs_per_node != 1:
+            raise bad_value(source, f"actors.{name}.procs_per_node", spec.procs_per_node,
+                            "expected 1 with per_node = true (one actor per node)")
     c = recipe.cluster
     if c.liveness_timeout_s <= c.heartbeat_interval_s:
         raise bad_value(source, "cluster.liveness_timeout_s", c.liveness_timeout_s,
@@ -330,6 +348,15 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
                         f"expected {loop.staleness} with loop.mode = {loop.mode!r} (the mode fixes the "
                         f"staleness): remove the key, --set loop.max_staleness={loop.staleness}, or "
                         f"use loop.mode = 'fully_async'")
+    if recipe.quant.format and recipe.engine.kind != "embedded":
+        raise bad_value(source, "quant.rollout", recipe.quant.rollout,
+                        "expected 'bf16' with engine.kind = 'sglang': quantized weight updates are "
+                        "wired for the embedded engine only (miles/quant)")
+    if recipe.quant.format and recipe.weights.transport == "disk_delta":
+        raise bad_value(source, "weights.transport", "disk_delta",
+                        f"expected nccl, colocated or disk with quant.rollout = "
+                        f"{recipe.quant.rollout!r}: a delta XORs against the engine's tensors, "
+                        "which hold dequantized weights, not the quantized parts")
     ro, train = recipe.rollout, recipe.train
     if ro.temperature == 0 and _given(tree, "rollout", "temperature"):
         raise bad_value(source, "rollout.temperature", 0.0,
@@ -340,6 +367,17 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
                         f"expected rollout.temperature ({ro.temperature}): the trainer divides its "
                         f"logits by the temperature the engines sampled with, or every importance "
                         f"ratio is wrong")
+    if train.backend == "megatron" and train.lora is not None:
+        raise bad_value(source, "train.lora", "{...}", "LoRA is built for train.backend = 'fsdp' only; "
+                        "the Megatron backend would train the full model")
+    if train.backend == "megatron":
+        spec = recipe.actors.get("trainer")
+        world = len(spec.nodes or [spec.node]) * spec.procs_per_node if spec else 1
+        try:
+            train.megatron.data_parallel(world)
+        except ValueError as exc:
+            raise RecipeError(f"{source}: {exc} (the trainer has {world} rank(s): actors.trainer "
+                              "nodes x procs_per_node)") from None
     if ro.top_k == 0:
         raise bad_value(source, "rollout.top_k", 0, "expected -1 (off) or >= 1")
     if recipe.engine.kind == "embedded" and ro.max_new_tokens >= recipe.engine.context_length:
@@ -350,6 +388,14 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
         raise bad_value(source, "buffer.capacity_groups", recipe.buffer.capacity_groups,
                         f"expected >= loop.groups_per_step ({loop.groups_per_step}), or no batch "
                         f"ever fills")
+    depths = [k for k in ("generate", "agent", "function") if getattr(ro, k)]
+    if len(depths) > 1:
+        raise bad_value(source, f"rollout.{depths[1]}", getattr(ro, depths[1]),
+                        f"expected at most one of rollout.generate / rollout.agent / rollout.function "
+                        f"(rollout.{depths[0]} is set too)")
+    if recipe.session.enabled == "off" and ro.agent:
+        raise bad_value(source, "session.enabled", "off",
+                        "expected 'auto' or 'on': rollout.agent talks to the session server")
     if recipe.eval.mode == "external" and not recipe.eval.command.strip():
         raise bad_value(source, "eval.command", recipe.eval.command,
                         "expected a command (with {checkpoint} and {step}) for eval.mode = 'external'")
@@ -370,10 +416,13 @@ def _infinite(obj: msgspec.Struct, path: list[str]):
 
 def _resolve(recipe: Recipe) -> Recipe:
     """Defaults that depend on other sections, settled once here (see the module docstring)."""
-    train = recipe.train
+    train, rollout = recipe.train, recipe.rollout
     if train.old_logprobs == "auto" and recipe.loop.staleness > 0 and train.steps_per_train == 1:
         train = msgspec.structs.replace(train, old_logprobs="rollout")
-    return msgspec.structs.replace(recipe, train=train)
+    if rollout.r3:  # one switch: the engines capture, samples carry, the trainer replays
+        rollout = msgspec.structs.replace(rollout, return_routed_experts=True)
+        train = msgspec.structs.replace(train, router_replay=True)
+    return msgspec.structs.replace(recipe, train=train, rollout=rollout)
 
 
 def recipe_to_json(recipe: Recipe) -> bytes:

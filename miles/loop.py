@@ -19,7 +19,11 @@ next (on-policy); with k > 0 they keep generating while the trainer trains.
 Design decisions:
 - The driver is an actor like the others (`actors.driver`, main = true): its exit ends the job.
 - Samples flow rollout -> buffer -> driver -> trainers over ZeroMQ with arrays as raw frames;
-  weights never go through here (the trainer publishes them by NCCL / IPC / disk).
+  weights never go through here (the trainer publishes them by NCCL / IPC / disk). The batch is
+  sharded here (`shard_batch`, by the backends' own batch plan, computed once): each trainer
+  rank receives only the samples its data-parallel index trains (log-probs and R3 routing with
+  them) plus a few bytes per sample of the whole batch (`BatchIndex`), so bytes per rank per
+  step are O(batch / DP), not O(batch).
 - Checkpoints hold the trainer state plus the loop's own (step, version, data position, and the
   prompts already read but not yet trained: in flight in the rollout worker or held by the
   buffer); on start the newest complete checkpoint in the run directory is resumed, those prompts
@@ -55,8 +59,9 @@ from pathlib import Path
 import numpy as np
 
 from miles.actors.base import Actor, ActorDied, ActorTimeout, RemoteError
+from miles.actors.buffer import rollout_rewards
 from miles.rl.logger import MetricsLogger
-from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, EnginesUpdated,
+from miles.wire.messages import (Batch, BatchIndex, BufferMetricsRequest, ConfirmBatch, EnginesUpdated,
                                  Evaluate, GetBatch, GetEngines, GetMetrics, GetQueuedPrompts,
                                  GetRolloutState, LoadCheckpoint, Message, PublishWeights, Sample,
                                  SaveCheckpoint, SetVersion, StartRollout, StopRollout, TrainStep)
@@ -69,6 +74,9 @@ RESUME_EXIT_CODE = 75  # EX_TEMPFAIL: `miles run` starts the job again from its 
 
 class TrainerDied(ActorDied):
     """A trainer rank died: its process group cannot take it back, so the job resumes."""
+
+
+FILTER_WARN_S = 60.0  # a step waiting this long for its batch says whether the filter starves it
 
 
 class LoopDriver(Actor):
@@ -87,8 +95,6 @@ class LoopDriver(Actor):
         await self.connect()
         step, self.version, data_state, replay = await self.resume_or_warm_start()
         self.log = MetricsLogger(r.output_dir, r.logging, r.loop.num_steps, r.run.name, resume=step > 0)
-        if self.log.bar is not None:
-            self.log.bar.update(step)  # a resumed run shows the steps it already has
         await self.evaluate(step, self.version, wait=True)
         await self.buffer_call(SetVersion(version=self.version))
         await self.rollout.call(StartRollout(data_state=data_state, replay=replay),
@@ -96,15 +102,18 @@ class LoopDriver(Actor):
 
         for step in range(step + 1, r.loop.num_steps + 1):
             await self.start_recording(step)
+            t_wait = time.monotonic()
             batch, request_id = await self.next_batch(step)
             t0 = time.monotonic()
             train_metrics = await self.train([s for g in batch.groups for s in g.samples])
             train_s = time.monotonic() - t0
             await self.buffer_call(ConfirmBatch(request_id=request_id))
             self.version += 1
-            await self.publish(self.version)
+            t_pub = time.monotonic()
+            weights = await self.publish(self.version)
             await self.buffer_call(SetVersion(version=self.version))
-            self.log_step(step, self.version, batch, train_metrics, train_s, time.monotonic() - t0)
+            times = {"perf/wait_s": t0 - t_wait, "perf/publish_s": time.monotonic() - t_pub, **weights}
+            self.log_step(step, self.version, batch, train_metrics, train_s, time.monotonic() - t0, times)
             if r.loop.eval_every and step % r.loop.eval_every == 0 and step < r.loop.num_steps:
                 await self.evaluate(step, self.version, wait=r.loop.mode == "sync")
             if r.loop.save_every and step % r.loop.save_every == 0:
@@ -118,7 +127,7 @@ class LoopDriver(Actor):
             await self.checkpoint(r.loop.num_steps, self.version)
         await self.evaluate(r.loop.num_steps, self.version, wait=True)
         await asyncio.gather(*self.pending_evals)
-        png = self.log.close(plot=r.logging.plot)
+        png = await asyncio.to_thread(self.log.close, plot=r.logging.plot)  # matplotlib takes ~1 s
         print(json.dumps({"done": True, "steps": r.loop.num_steps, "version": self.version,
                           "reward_curve": str(png) if png else None}), flush=True)
         return 0
@@ -160,14 +169,16 @@ class LoopDriver(Actor):
         rec.step = step
 
     async def on_all_trainers(self, msg, timeout_s: float | None = None) -> list:
+        """`msg` to every trainer rank, or `msg[i]` to rank i when it is a list."""
         timeout_s = timeout_s or self.recipe.loop.timeout_s
+        msgs = msg if isinstance(msg, list) else [msg] * len(self.trainers)
         try:
-            return await asyncio.gather(*(t.call(msg, timeout_s=timeout_s) for t in self.trainers))
+            return await asyncio.gather(*(t.call(m, timeout_s=timeout_s) for t, m in zip(self.trainers, msgs)))
         except ActorDied as e:
             raise TrainerDied(str(e)) from None
 
     async def train(self, samples: list[Sample], phase: str = "rl") -> dict[str, float]:
-        results = await self.on_all_trainers(TrainStep(samples=samples, phase=phase))
+        results = await self.on_all_trainers(shard_batch(samples, self.recipe.train, len(self.trainers), phase))
         return results[0].metrics
 
     async def buffer_call(self, msg: Message, timeout_s: float = 60.0) -> Message:
@@ -193,15 +204,43 @@ class LoopDriver(Actor):
         get = asyncio.get_running_loop().create_task(self.buffer_call(
             GetBatch(n_groups=r.loop.groups_per_step, request_id=request_id),
             timeout_s=r.loop.timeout_s))
+        start = await self.filter_counts()
+        waited = time.monotonic()
         try:
             while not (await asyncio.wait({get}, timeout=r.engine.health_interval_s))[0]:
                 await self.sync_engines()
+                if time.monotonic() - waited >= FILTER_WARN_S:  # say why the batch is not filling
+                    waited = time.monotonic()
+                    why = self.starving(start, await self.filter_counts())
+                    if why:
+                        print(f"step {step}: still waiting for a batch: {why}", flush=True)
             return get.result(), request_id
         except ActorTimeout:
+            why = self.starving(start, await self.filter_counts())
             raise TimeoutError(f"step {step}: no batch of {r.loop.groups_per_step} groups from the "
-                               f"buffer within loop.timeout_s = {r.loop.timeout_s} s") from None
+                               f"buffer within loop.timeout_s = {r.loop.timeout_s} s"
+                               + (f": {why}" if why else "")) from None
         finally:
             get.cancel()
+
+    async def filter_counts(self) -> tuple[float, float] | None:
+        """(kept, filtered) groups so far, from the buffer; None when it does not answer at once."""
+        try:
+            values = (await self.buffer.call(BufferMetricsRequest(), timeout_s=5.0)).values
+            return values.get("buffer/kept", 0.0), values.get("buffer/filtered", 0.0)
+        except Exception:  # noqa: BLE001 - a diagnostic only; the wait itself goes on
+            return None
+
+    def starving(self, start, now) -> str:
+        """Why no batch fills, when `buffer.filter` drops (nearly) every group the rollout makes."""
+        if start is None or now is None:
+            return ""
+        kept, filtered = now[0] - start[0], now[1] - start[1]
+        if filtered < 4 * self.recipe.loop.groups_per_step or kept >= filtered / 20:
+            return ""
+        return (f"buffer.filter = {self.recipe.buffer.filter!r} dropped {filtered:.0f} groups and "
+                f"kept {kept:.0f} meanwhile (every sample of a group got the same reward: the "
+                "policy solves none, or all, of its prompts)")
 
     async def sync_engines(self) -> None:
         try:
@@ -220,7 +259,9 @@ class LoopDriver(Actor):
         except (ActorDied, ActorTimeout, RemoteError, ConnectionError) as e:  # again next interval
             print(f"[driver] engine set sync failed, retrying: {type(e).__name__}: {e}", flush=True)
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int) -> dict[str, float]:
+        """Every trainer rank publishes `version`; returns rank 0's `weights/...` metrics (stall
+        time and its parts)."""
         engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
         deadline = time.monotonic() + self.recipe.engine.start_timeout_s
         while not (engine_set.engine_urls or engine_set.pending_urls):  # every engine restarting
@@ -231,7 +272,7 @@ class LoopDriver(Actor):
             engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
         while True:
             try:
-                await self.on_all_trainers(PublishWeights(
+                replies = await self.on_all_trainers(PublishWeights(
                     version=version, engine_urls=[*engine_set.engine_urls, *engine_set.pending_urls]))
                 break
             except RemoteError as e:
@@ -253,6 +294,7 @@ class LoopDriver(Actor):
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
                                                    version=version), timeout_s=60.0)
             self.engine_generation = engine_set.generation
+        return dict(getattr(replies[0], "metrics", None) or {})
 
     async def resume_or_warm_start(self) -> tuple[int, int, dict, list[int]]:
         r = self.recipe
@@ -342,13 +384,15 @@ class LoopDriver(Actor):
         (path / "loop_state.json").write_text(json.dumps(extra))  # written last: marks it complete
         return path
 
-    def log_step(self, step, version, batch, train_metrics, train_s, step_s) -> None:
+    def log_step(self, step, version, batch, train_metrics, train_s, step_s, times=None) -> None:
         key = self.recipe.train.reward_key
-        rewards = [s.scalar_reward(key) for g in batch.groups for s in g.samples]
+        # One reward per rollout: a trajectory tree split into 5 samples is still one episode.
+        rewards = [r for g in batch.groups for r in rollout_rewards(g, key)]
         lengths = [s.response_length for g in batch.groups for s in g.samples]
         metrics = {**{f"train/{k}": v for k, v in train_metrics.items()},
                    "rollout/reward": float(np.mean(rewards)), "rollout/response_len": float(np.mean(lengths)),
-                   "perf/train_s": train_s, "perf/step_s": step_s,
+                   "rollout/samples_per_rollout": len(lengths) / max(1, len(rewards)),
+                   "perf/train_s": train_s, "perf/step_s": step_s, **(times or {}),
                    "batch/staleness_avg": float(np.mean(batch.staleness)) if batch.staleness else 0.0}
         # which prompts this step trained: what proves nothing was lost or trained twice
         self.log.log("train", step, metrics, version=version,
@@ -356,10 +400,61 @@ class LoopDriver(Actor):
         asyncio.get_running_loop().create_task(self._log_actor_metrics(step))
 
     async def _log_actor_metrics(self, step: int) -> None:
-        try:
-            buf = await self.buffer.call(BufferMetricsRequest(), timeout_s=10)
-            roll = await self.rollout.call(GetMetrics(), timeout_s=10)
-            keep = {k: v for k, v in {**buf.values, **roll.values}.items() if "/" in k}
+        keep: dict[str, float] = {}
+        asks = [(self.buffer, BufferMetricsRequest()), (self.rollout, GetMetrics()),
+                (self.engines, GetMetrics())]  # the fleet: engine/..., session/...
+        for ref, ask in asks:
+            try:  # metrics are best effort: one actor that cannot answer hides no other's
+                reply = await ref.call(ask, timeout_s=10)
+                keep.update({k: v for k, v in reply.values.items() if "/" in k})
+            except Exception as e:
+                print(f"[driver] {ref.name} metrics unavailable: {e}", flush=True)
+        if keep:
             self.log.log("actors", step, keep)
-        except Exception as e:  # metrics are best effort
-            print(f"[driver] actor metrics unavailable: {e}", flush=True)
+
+
+def shard_batch(samples: list[Sample], train, world_size: int, phase: str = "rl") -> list[TrainStep]:
+    """One TrainStep per trainer rank: only the samples that rank's data-parallel index trains
+    (model-parallel peers of one DP index get the same shard, R3 routing included), plus a
+    `BatchIndex` of the whole batch (a few bytes per sample) from which every rank computes the
+    same plan, denominators and metrics as from the whole batch. The plan is the backends' own
+    pure function (`sample_owners`), computed here once.
+
+    A batch the plan cannot be made of (empty, fewer groups than optimizer steps, malformed
+    samples) goes whole to every rank, whose door check refuses it with its usual message."""
+    from miles.backends.batch import batch_arrays
+    from miles.backends.config import trainer_dp_layout
+    from miles.backends.packing import sample_owners
+
+    dp_size, dp_index = trainer_dp_layout(train, world_size)
+    try:
+        arrays = batch_arrays(samples)
+        owners = sample_owners(arrays["group_index"], arrays["lengths"].tolist(), world_size=dp_size,
+                               steps=train.steps_per_train, max_tokens=train.max_tokens_per_microbatch)
+    except (ValueError, TypeError, AttributeError):
+        return [TrainStep(samples=samples, phase=phase) for _ in range(world_size)]
+    all_lp = all(s.rollout_logprobs is not None for s in samples)
+    steps = []
+    for dp in range(dp_size):
+        positions = np.flatnonzero(owners == dp).astype(np.int32)
+        steps.append(TrainStep(samples=[samples[i] for i in positions.tolist()], phase=phase,
+                               index=BatchIndex(positions=positions, all_rollout_logprobs=all_lp, **arrays)))
+    return [steps[dp_index[r]] for r in range(world_size)]
+
+
+def whole_batch(steps: list[TrainStep]) -> list[Sample]:
+    """The batch that `shard_batch` sharded, from the TrainSteps of all DP ranks (the inverse of
+    `shard_batch`; `miles replay` re-runs a recorded step on one process from it). Steps without
+    an index already carry the whole batch."""
+    sharded = [s for s in steps if s.index is not None]
+    if not sharded:
+        return list(steps[0].samples)
+    out: list[Sample | None] = [None] * len(sharded[0].index.lengths)
+    for step in sharded:
+        for i, sample in zip(step.index.positions.tolist(), step.samples):
+            out[i] = sample
+    missing = [i for i, s in enumerate(out) if s is None]
+    if missing:
+        raise ValueError(f"whole_batch: samples {missing[:8]} of {len(out)} are in none of the {len(steps)} "
+                         "TrainStep(s) given; every DP rank's shard is needed")
+    return out

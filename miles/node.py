@@ -70,7 +70,7 @@ from miles.actors.registry import Registry
 from miles.config import ActorSpec, Recipe, recipe_to_json
 from miles.supervise import LogFollower, SupervisedProcess, read_log_tail
 from miles.wire import auth
-from miles.wire.messages import ListActors, Ok, Shutdown
+from miles.wire.messages import ListActors, Ok, Ping, Shutdown
 
 CRASH_LOOP_WINDOW_S = 30.0  # a death this soon after start counts as a start failure
 LOG_TAIL_LINES = 20         # of a failing child's log, in the daemon's messages
@@ -176,6 +176,19 @@ class NodeDaemon(Actor):
         self._done = asyncio.Event()
         self._shutting_down = False
         self.registry_actor: Registry | None = None
+        self._lost: set[int] = set()  # node ranks the head found lost
+        self.progress = self._progress()
+
+    def _progress(self):
+        """The head's console view of an RL run (miles.console); None on other nodes and for
+        recipes without the loop driver."""
+        driver = self.recipe.actors.get("driver")
+        if self.node.node_rank != 0 or driver is None or not driver.cls.endswith(":LoopDriver"):
+            return None
+        from miles.console import RunProgress
+        lg = self.recipe.logging
+        return RunProgress(Path(self.recipe.output_dir) / "metrics.jsonl", self.recipe.loop.num_steps,
+                           every=lg.console_every, bar=None if lg.progress else False)
 
     # ----- placement -------------------------------------------------------------------------
 
@@ -185,6 +198,15 @@ class NodeDaemon(Actor):
         for index, (role, spec) in enumerate(sorted(self.recipe.actors.items())):
             nodes = spec.nodes if spec.nodes is not None else [spec.node]
             if self.node.node_rank not in nodes:
+                continue
+            if spec.per_node and spec.nodes is not None:
+                # One actor of its own per node (the engine fleet): no process group, and the
+                # first node's keeps the role's plain name, so callers need not know the layout.
+                at = self.node.node_rank
+                child = Child(name=role if at == nodes[0] else f"{role}@{at}", role=role, spec=spec,
+                              env={"MILES_ACTOR_ROLE": role, **spec.env})
+                child.group.append(child)
+                children.append(child)
                 continue
             grouped = spec.distributed or spec.procs_per_node > 1 or len(nodes) > 1
             world = len(nodes) * spec.procs_per_node
@@ -253,6 +275,10 @@ class NodeDaemon(Actor):
             return 1
         watchers = [asyncio.create_task(self._watch_liveness()),
                     asyncio.create_task(self._follow_logs())]
+        if self.node.nnodes > 1:
+            watchers.append(asyncio.create_task(
+                self._watch_nodes() if self.node.node_rank == 0 else self._watch_head()))
+        observer = await self._serve_metrics()
         if await self._until_done(self._discover_nodes()):
             self.children = self.plan()
             for child in self.children:
@@ -262,12 +288,54 @@ class NodeDaemon(Actor):
         for w in watchers:
             w.cancel()
         self._pump_logs(final=True)
+        if observer is not None:
+            await observer.cleanup()
+            (Path(self.recipe.output_dir) / f"metrics_url.node{self.node.node_rank}").unlink(missing_ok=True)
         await self.close()
         if self.registry_actor is not None:
             await asyncio.sleep(0.2)  # let the other nodes' shutdown calls be answered
             await self.registry_actor.close()
         runtime.close()
         return self.exit_code or 0
+
+    async def _serve_metrics(self):
+        """Prometheus `/metrics` on every node, and the dashboard on the head (miles.observe)."""
+        port = self.recipe.logging.metrics_port
+        if port < 0:
+            return None
+        port = port or self.recipe.cluster.head_port + 1 + self.node.node_rank
+        from miles.observe import make_app, serve
+        app = make_app(Path(self.recipe.output_dir), actors_fn=self.actor_table,
+                       node_rank=self.node.node_rank, dashboard=self.node.node_rank == 0)
+        try:
+            runner = await serve(app, self.node.host, port)
+        except OSError as e:  # the run goes on without it: a scrape target is not worth a job
+            self._log(f"metrics endpoint not served: port {port} (logging.metrics_port): {e}")
+            return None
+        (Path(self.recipe.output_dir) / f"metrics_url.node{self.node.node_rank}").write_text(
+            f"http://{self.node.host}:{port}/\n")
+        return runner
+
+    def actor_table(self) -> list[dict]:
+        """This node's actors (process state, incarnation, restarts) and, on the head, every
+        actor's heartbeat age and event-loop lag from the registry."""
+        beats = {}
+        if self.registry_actor is not None:
+            for name in list(self.registry_actor.entries):
+                info = self.registry_actor._info(name)
+                beats[name] = {"heartbeat_age_s": round(info.last_seen_s, 3),
+                               "loop_lag_ms": info.loop_lag_ms, "node": info.node_rank}
+        rows = []
+        for c in self.children:
+            alive = c.proc is not None and c.proc.alive
+            rows.append({"name": c.name, "node": self.node.node_rank, "up": alive,
+                         "state": "up" if alive else ("gave up" if c.gave_up else "down"),
+                         "incarnation": c.incarnation, "restarts": c.restarts, **beats.pop(c.name, {})})
+        for name, beat in sorted(beats.items()):   # actors of other nodes, as the head sees them
+            if not name.startswith("node/"):
+                rows.append({"name": name, "up": beat["heartbeat_age_s"] < self.recipe.cluster.liveness_timeout_s,
+                             **beat})
+        return rows
 
     async def _until_done(self, coro) -> bool:
         """Run `coro` unless the node is told to shut down first; False if it was."""
@@ -299,14 +367,72 @@ class NodeDaemon(Actor):
                 hosts[rank] = info.endpoint.split("//")[1].rsplit(":", 1)[0]
         return hosts
 
+    # ----- losing a node ----------------------------------------------------------------------
+
+    def _lost_node(self) -> str | None:
+        """On the head: why the job must stop for a node daemon that is gone, or None. A daemon
+        is lost when it sent no heartbeat for `cluster.node_timeout_s`, or sooner when its
+        connection closed (a kill, a crashed host) and it missed two heartbeats since."""
+        cl, reg = self.recipe.cluster, self.registry_actor
+        if reg is None:
+            return None
+        for rank in range(1, self.node.nnodes):
+            name = f"node/{rank}"
+            if name not in reg.entries or rank in self._lost:
+                continue
+            info = reg._info(name)
+            age = info.last_seen_s
+            gone = info.disconnected and age > 2 * cl.heartbeat_interval_s
+            if age <= cl.node_timeout_s and not gone:
+                continue
+            self._lost.add(rank)
+            actors = sorted(a for a in reg.entries if a != name and reg.entries[a].node_rank == rank)
+            how = (f"its connection closed and no answer for {age:.1f} s" if gone and
+                   age <= cl.node_timeout_s else f"no answer for {age:.1f} s")
+            return (f"node {rank} lost: {how} (cluster.node_timeout_s = {cl.node_timeout_s}); its "
+                    f"actors: {', '.join(actors) or 'none'}; {where_stopped(self.recipe.output_dir)}")
+        return None
+
+    async def _watch_nodes(self) -> None:
+        """The head ends the job when a node daemon is lost: its actors are gone with it (their
+        PDEATHSIG), and a torch group or a fleet cannot go on without them."""
+        while not self._shutting_down:
+            await asyncio.sleep(min(1.0, self.recipe.cluster.heartbeat_interval_s))
+            reason = self._lost_node()
+            if reason is not None:
+                await self.shutdown(reason, 1)
+                return
+
+    async def _watch_head(self) -> None:
+        """A node other than the head ends its part of the job when the registry (the head's
+        daemon) has not answered for `cluster.node_timeout_s`: nothing can go on without it."""
+        cl = self.recipe.cluster
+        answered = time.monotonic()
+        while not self._shutting_down:
+            try:
+                # A short timeout: the verdict comes at most a fifth of the deadline late.
+                await self.runtime.registry.call(Ping(), timeout_s=min(CALL_TIMEOUT_S, cl.node_timeout_s / 5))
+                answered = time.monotonic()
+            except Exception:  # noqa: BLE001 - any failure to answer counts as silence
+                pass
+            silent = time.monotonic() - answered
+            if silent > cl.node_timeout_s:
+                await self.shutdown(f"the head (node 0) lost: its registry at "
+                                    f"{self.registry_endpoint} did not answer for {silent:.1f} s "
+                                    f"(cluster.node_timeout_s = {cl.node_timeout_s}); stopping "
+                                    f"this node's actors", 1)
+                return
+            await asyncio.sleep(min(1.0, cl.heartbeat_interval_s))
+
     # ----- children --------------------------------------------------------------------------
 
     def _spawn_child(self, child: Child) -> None:
         if child.log_path is None:
             child.log_path = self.recipe.output_dir / "logs" / f"{child.name.replace('/', '_')}.log"
             child.log_path.parent.mkdir(parents=True, exist_ok=True)
+            from miles.console import forwarder
             child.follower = LogFollower(child.log_path, f"[{child.name}] ".encode(),
-                                         self._write_console)
+                                         forwarder(self.progress, self._write_console))
         proc = SupervisedProcess(child.name, [sys.executable, "-m", "miles.actors.host"],
                                  env=self._child_env(child), log_path=child.log_path).start()
         child.proc, child.log_offset = proc, proc.log_offset
@@ -327,6 +453,8 @@ class NodeDaemon(Actor):
         for child in self.children:
             if child.follower is not None:
                 child.follower.pump(flush_partial=final)
+        if self.progress is not None:
+            self.progress.close() if final else self.progress.pump()
 
     async def _follow_logs(self, interval_s: float = 0.1) -> None:
         while True:
@@ -345,6 +473,13 @@ class NodeDaemon(Actor):
             reason = f"main actor {child.name} exited with {code}"
             if code != 0:
                 reason = self._failure(child, await self._death_cause(child, code))
+                if self.node.node_rank == 0 and self.node.nnodes > 1:
+                    # It may have failed because a node is gone: say that, the cause, instead.
+                    # Not RESUME_EXIT_CODE then: `miles run` on this node alone must not restart
+                    # a job whose other node is gone.
+                    await asyncio.sleep(2 * self.recipe.cluster.heartbeat_interval_s + 0.5)
+                    lost = self._lost_node()
+                    reason, code = (lost, 1) if lost else (reason, code)
             if self.node.node_rank != 0:  # the head ends the job for every node
                 await self._tell_head(reason, code)
             await self.shutdown(reason, code)
@@ -453,7 +588,10 @@ class NodeDaemon(Actor):
                     child.proc.signal_all(signal.SIGKILL)
 
     def _log(self, text: str) -> None:
-        print(f"[{self.name}] {text}", flush=True)
+        if self.progress is not None:
+            self.progress.write(f"[{self.name}] {text}")
+        else:
+            print(f"[{self.name}] {text}", flush=True)
 
     async def _terminate(self, child: Child, grace_s: float) -> None:
         proc = child.proc
@@ -475,8 +613,10 @@ class NodeDaemon(Actor):
             self._log(f"shutting down: {reason}")
         if self.node.node_rank == 0 and self.node.nnodes > 1:
             for rank in range(1, self.node.nnodes):
+                if rank in self._lost:
+                    continue
                 try:
-                    await self.runtime.ref(f"node/{rank}").call(Shutdown(reason=reason),
+                    await self.runtime.ref(f"node/{rank}").call(Shutdown(reason=reason, exit_code=code),
                                                                 timeout_s=CALL_TIMEOUT_S)
                 except Exception as e:
                     self._log(f"node/{rank} did not take the shutdown within {CALL_TIMEOUT_S}s: {e}")
@@ -540,7 +680,13 @@ def run_node(recipe: Recipe, recipe_path_hint: str = "recipe") -> int:
         resolved = out / f"recipe.resolved.node{node.node_rank}.json"
         resolved.write_bytes(recipe_to_json(recipe))
         daemon = NodeDaemon(recipe, node, resolved)
-        return run_event_loop(daemon.run_node())
+        try:
+            return run_event_loop(daemon.run_node())
+        finally:
+            # Segments of a same-node call whose sender was SIGKILLed mid-call (miles/wire/shm.py):
+            # every child of this node is gone now, so any of this job's left here is a leftover.
+            from miles.wire import shm
+            shm.sweep(shm.job_prefix({**os.environ, "MILES_REGISTRY": daemon.registry_endpoint}))
     except KeyboardInterrupt:  # Ctrl-C before the daemon's own handler is installed
         print("stopped before the run started; run the same command again to start it", flush=True)
         return 128 + signal.SIGINT

@@ -10,6 +10,10 @@ Design decisions:
 - Imports go through `pkgutil.resolve_name`, the same resolution the actors use, so "resolves
   here" means "loads there". A plug-in's contract is checked by its type (a subclass of the base
   class) or its signature (a callable taking one positional argument); nothing is called.
+- The plug-in depths are checked against their contracts: `rollout.generate` an `async def` of
+  (ctx, sample), `rollout.agent` an `async def` of (base_url, task); a reward that asks for the
+  episode's `sandbox` must be async (the sandbox lives on the worker's event loop), and a batched
+  reward cannot have one (it sees a group, not an episode).
 - A recipe runs the loop when what it will place (`with_default_actors`) is empty or has a
   `LoopDriver`. A recipe of only its own actors (the demo, the runtime tests) needs no model.
 - Errors are `RecipeError`s of the one recipe shape (`<source>: key.path = value: expected ...`);
@@ -19,6 +23,7 @@ Design decisions:
 from __future__ import annotations
 
 import inspect
+import json
 import pkgutil
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,7 @@ def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     if ro.reward not in BUILTIN:
         _callable(source, "rollout.reward", ro.reward, "the samples of a group" if ro.reward_batched
                   else "the sample", builtin=sorted(BUILTIN))
+    _check_depths(recipe, source)
     if buf.filter not in FILTERS:
         _callable(source, "buffer.filter", buf.filter, "the group", builtin=sorted(FILTERS))
     if buf.policy:
@@ -129,10 +135,55 @@ def _callable(source: str, key: str, path: str, argument: str, builtin: list[str
     except (TypeError, ValueError):  # some builtins have no signature to read: trust them
         return
     try:
-        signature.bind(object())
+        if "sandbox" in signature.parameters:  # a verifier of the episode's sandbox
+            signature.bind(object(), sandbox=object())
+        else:
+            signature.bind(object())
     except TypeError:
         raise bad_value(source, key, path, f"wrong signature {signature}: expected a callable "
                                            f"taking one positional argument ({argument})") from None
+
+
+def _async_of(source: str, key: str, path: str, params: tuple[str, ...], contract: str) -> None:
+    fn = _resolve(source, key, path)
+    if not inspect.iscoroutinefunction(fn):
+        raise bad_value(source, key, path, f"{type(fn).__name__} {getattr(fn, '__qualname__', fn)!r} is not "
+                                           f"an async function: expected `{contract}`")
+    required = [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if len(required) != len(params):
+        raise bad_value(source, key, path, f"wrong signature {inspect.signature(fn)}: expected `{contract}` "
+                                           f"({len(params)} positional parameters: {', '.join(params)})")
+
+
+def _check_depths(recipe: Recipe, source: str) -> None:
+    ro = recipe.rollout
+    if ro.generate:
+        _async_of(source, "rollout.generate", ro.generate, ("ctx", "sample"),
+                  "async def generate(ctx, sample) -> Sample | list[Sample]")
+    if ro.agent:
+        _async_of(source, "rollout.agent", ro.agent, ("base_url", "task"),
+                  "async def agent(base_url, task) -> dict | None")
+    if ro.function:
+        _async_of(source, "rollout.function", ro.function, ("ctx", "n_groups"),
+                  "async def rollout(ctx, n_groups) -> list[Group]")
+    if not recipe.sandbox.backend:
+        return
+    from miles.sandboxes.registry import backend_names
+    if recipe.sandbox.backend not in backend_names():
+        raise bad_value(source, "sandbox.backend", recipe.sandbox.backend,
+                        f"expected one of {', '.join(backend_names())}")
+    if ro.reward_batched:
+        raise bad_value(source, "rollout.reward_batched", True,
+                        f"expected false with sandbox.backend = {recipe.sandbox.backend!r}: a batched "
+                        f"reward sees a group, and each episode's sandbox is gone by then")
+    if ":" in ro.reward:
+        from miles.envs.episode import takes_sandbox
+        fn = _resolve(source, "rollout.reward", ro.reward)
+        if takes_sandbox(fn) and not inspect.iscoroutinefunction(fn):
+            raise bad_value(source, "rollout.reward", ro.reward,
+                            "a reward with a `sandbox` parameter must be `async def` (the sandbox's "
+                            "methods are coroutines of the rollout worker's event loop)")
 
 
 def _check_model(recipe: Recipe, source: str) -> None:
@@ -147,6 +198,27 @@ def _check_model(recipe: Recipe, source: str) -> None:
         if path and not (Path(path) / "config.json").is_file():
             what = "does not exist" if not Path(path).exists() else "has no config.json"
             raise bad_value(source, key, path, f"expected an HF model directory; it {what}")
+    if recipe.rollout.r3:
+        _check_moe(recipe, source)
+
+
+def _check_moe(recipe: Recipe, source: str) -> None:
+    """rollout.r3 replays MoE routing: a dense model has none to replay."""
+    model = recipe.model
+    if model.path:
+        config = json.loads((Path(model.path) / "config.json").read_text())
+        which = f"model.path = {model.path!r}"
+    elif model.tiny:
+        from miles.tiny import ARCH_CONFIGS
+        config = {**ARCH_CONFIGS[model.tiny], **model.tiny_overrides}
+        which = f"model.tiny = {model.tiny!r}"
+    else:
+        return  # no model at all: _check_loop_inputs says so
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
+    if int(experts) < 1:
+        raise bad_value(source, "rollout.r3", True,
+                        f"expected a mixture-of-experts model, but {which} is dense (no num_experts "
+                        f"in its config): there is no routing to replay")
 
 
 def _check_choices_and_paths(recipe: Recipe, source: str) -> None:
@@ -158,7 +230,12 @@ def _check_choices_and_paths(recipe: Recipe, source: str) -> None:
     data = recipe.data
     if data.task:
         from miles.rl.tasks import TASKS
-        if data.task not in TASKS:
+        if ":" in data.task:
+            fn = _resolve(source, "data.task", data.task)
+            if not callable(fn):
+                raise bad_value(source, "data.task", data.task, "not callable: expected "
+                                "`def tasks(seed, test_frac) -> {'train': rows, 'test': rows}`")
+        elif data.task not in TASKS:
             raise bad_value(source, "data.task", data.task,
                             f"expected one of {', '.join(sorted(TASKS))}")
     for key in ("path", "eval_path", "sft_path"):

@@ -5,11 +5,11 @@
     miles replay runs/<name>/wire/driver.mlw --step 12 --resend http://127.0.0.1:30000
 
 What it does:
-- Training: finds the step's `TrainStep` (the batch every trainer rank received) and the
-  `TrainResult` that came back, builds the recipe's backend on ONE rank (gloo, this process),
-  loads the state the trainers had just before that step (the driver saves it to
-  `wire/step_NNNNNN/pre_state` when it records a step), trains on the recorded batch and compares
-  every metric with the recorded one. On CPU with the same world size the loss is reproduced bit
+- Training: finds the step's `TrainStep`s (every DP rank's shard, put back together by
+  `miles.loop.whole_batch`) and the `TrainResult` that came back, builds the recipe's backend
+  on ONE rank (gloo, this process), loads the state the trainers had just before that step (the
+  driver saves it to `wire/step_NNNNNN/pre_state` when it records a step), trains on the recorded
+  batch and compares every metric with the recorded one. On CPU with the same world size the loss is reproduced bit
   for bit; a run recorded with more trainer ranks replays at world size 1, where the data-parallel
   split differs, so the figures are close but not bitwise (the output says which).
 - Engine requests (`--resend URL`): rebuilds the `/generate` request of every sample of the batch
@@ -40,10 +40,16 @@ def recorded_steps(path: Path) -> dict[int, dict]:
         entry = steps.setdefault(rec.meta.step, {"ranks": set()})
         if isinstance(rec.msg, TrainStep) and rec.meta.direction == "call":
             entry["ranks"].add(rec.meta.peer)
-            entry.setdefault("train", rec.msg)
+            entry.setdefault("shards", []).append(rec.msg)
         elif isinstance(rec.msg, TrainResult) and rec.meta.direction == "reply":
             if rec.meta.peer.endswith("/0") or "result" not in entry:
                 entry["result"] = rec.msg
+    from miles.loop import whole_batch
+
+    for e in steps.values():  # each DP rank received its shard (loop.shard_batch): the whole batch
+        if "shards" in e:
+            shards = e.pop("shards")
+            e["train"] = TrainStep(samples=whole_batch(shards), phase=shards[0].phase)
     return {s: e for s, e in steps.items() if "train" in e}
 
 

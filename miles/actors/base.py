@@ -58,7 +58,7 @@ from typing import Any, AsyncIterator, Callable
 
 import zmq
 
-from miles.wire import auth
+from miles.wire import auth, shm
 from miles.wire.codec import Codec
 from miles.wire.messages import (registered_messages, ActorInfo, ErrorReply, GetMetrics, Header,
                                  Heartbeat, Lookup, Message, Metrics, Ok, Ping, Pong, Register,
@@ -100,15 +100,19 @@ class Runtime:
 
     `curve`: the job's CurveZMQ keys, None for plain sockets; by default they come from the
     environment (`MILES_CURVE_PUBLIC` / `MILES_CURVE_SECRET`), which is how the node daemon hands
-    them to its children."""
+    them to its children. `shm_min_bytes`: calls to actors on this host with at least this many
+    array bytes go through shared memory (`miles.wire.shm`; 0 = never); an actor's start sets it
+    from its recipe's `cluster.shm_min_bytes`."""
 
     def __init__(self, registry: str | None = None, name: str = "", node_rank: int = 0,
-                 curve: auth.CurveKeys | None = _FROM_ENV):
+                 curve: auth.CurveKeys | None = _FROM_ENV,
+                 shm_min_bytes: int = shm.DEFAULT_MIN_BYTES):
         self.ctx = zmq.Context()
         self.codec = Codec()
         self.registry_endpoint = registry
         self.name = name or f"client-{os.getpid()}"
         self.node_rank = node_rank
+        self.shm_min_bytes = shm_min_bytes
         self.curve = auth.keys_from_env() if curve is _FROM_ENV else curve
         self.recorder = None  # a miles.wire.recorder.WireRecorder records this process's calls
         self._authenticator = (auth.start_authenticator(self.ctx, self.curve)
@@ -122,6 +126,8 @@ class Runtime:
                 conn.close()
             conn = self._conns[endpoint] = Connection(self.ctx, self.codec, endpoint, self.name,
                                                       self.curve)
+            if shm.same_host(endpoint) and shm.available():
+                conn.shm_min_bytes = self.shm_min_bytes
         if named:
             conn.fail_if_refused = True
         return conn
@@ -419,6 +425,8 @@ class Actor:
     async def start(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 0,
                     register: bool = True) -> str:
         self.runtime = runtime
+        if self.recipe is not None:
+            runtime.shm_min_bytes = self.recipe.cluster.shm_min_bytes
         self._stopped = asyncio.Event()
         self.server = Server(runtime.ctx, runtime.codec, self._dispatch, host, port, self.name,
                              curve=runtime.curve)
@@ -479,7 +487,8 @@ class Actor:
                 "bad_frames": float(self.server.bad_frames),
                 "refused_handshakes": float(self.server.refused_handshakes),
                 "loop_lag_ms": self.loop_lag_ms, "loop_lag_max_ms": self.loop_lag_max_ms,
-                "incarnation": float(self.incarnation)}
+                "incarnation": float(self.incarnation),
+                **{k: float(v) for k, v in shm.stats.items()}}
 
     # ----- built-in handlers -----------------------------------------------------------------
 

@@ -53,6 +53,9 @@ Design decisions:
   (`buffer.policy = "my_pkg.policy:MyPolicy"`): `on_put(group) -> Decision` and
   `on_stale(group, staleness) -> Decision`. The dynamic-sampling filter (`buffer.filter`) is a
   function `(group) -> bool` (keep?).
+- A group is all the samples of its prompt's rollouts, and a rollout may have produced several
+  (a trajectory tree: siblings share `rollout_id`), so a group's size varies; nothing here counts
+  samples against `n_samples_per_prompt`. The filter looks at one reward per rollout.
 - Idle time: the time the trainer spent waiting in `GetBatch` is the trainer's idle time; the
   rollout reports engine idle time itself.
 """
@@ -90,13 +93,22 @@ def group_version(group: Group) -> int:
     return min(versions) if versions else group.admitted_version
 
 
-def _rewards(group: Group, reward_key: str = "") -> list[float]:
-    return [s.scalar_reward(reward_key) for s in group.samples]
+def rollout_rewards(group: Group, reward_key: str = "") -> list[float]:
+    """One reward per rollout of the group, in order of first appearance.
+
+    Siblings (samples sharing a `rollout_id`: one trajectory tree) share their rollout's reward; the
+    first one's stands for them (the trainer refuses siblings that disagree, naming them). A sample
+    without a `rollout_id` is a rollout of its own."""
+    rewards: dict[str, float] = {}
+    for i, s in enumerate(group.samples):
+        rewards.setdefault(s.rollout_id or f"\0sample{i}", s.scalar_reward(reward_key))
+    return list(rewards.values())
 
 
 def nonzero_std(group: Group, reward_key: str = "") -> bool:
-    """Dynamic sampling: keep a group only if its rewards differ (else its advantages are all 0)."""
-    rewards = _rewards(group, reward_key)
+    """Dynamic sampling: keep a group only if its rollouts' rewards differ (else every advantage is
+    0). Over rollouts, not samples: one rollout split into many samples is still one reward."""
+    rewards = rollout_rewards(group, reward_key)
     return max(rewards) - min(rewards) > 1e-9 if rewards else False
 
 

@@ -26,24 +26,47 @@ Design decisions:
   the serving engines, under the same crash-loop rule. If it cannot come back (the port cannot be
   re-bound, smg crash-loops) the fleet fails loudly.
 - The engines' logs go to files in the run directory (they are chatty); failures quote their tail.
+- The TITO session server (`[session]`, on when `session.enabled = "on"`, or "auto" with
+  `rollout.agent` set) starts after the gateway, in front of it, on its own port, with a per-job
+  token in `<output_dir>/session.token` (0600; only the path is on its command line). `GetEngines`
+  carries its URL and the token file. It is probed every health interval (`/health`; failing
+  every probe for `SESSION_WEDGED_S` counts as a death) and restarted on its own port under the
+  same crash-loop rule as the gateway; if it cannot come back the fleet fails loudly. A restarted server has lost its
+  open sessions (the rollout side sees 404 on collect and counts a failed episode).
+- With the session server on, smg must pin a session's routing key (`X-SMG-Routing-Key`) to one
+  engine so its KV prefix is reused: the `manual` policy (a new key goes to the least loaded
+  engine) and `consistent_hashing` do; any other `engine.gateway_policy` is replaced by `manual`,
+  with a warning. smg's `--routing-key-override` must stay off: it makes the body `rid` win over
+  the header, and TITO's rids differ per turn.
+- Fleet metrics (prefix-cache hit rate of the engines, open sessions, requests served per engine
+  and per node) are polled once per health interval by a task of their own; `metrics()` returns
+  the last values and never waits on HTTP.
+- Several nodes (`[actors.engines] nodes = [..]`, `per_node = true`): one fleet per node; the first
+  node's owns the gateway and the session server and lists every node's engines, the others only
+  launch, supervise and report theirs (`miles/actors/engine_nodes.py` has the protocol).
+  `engine.num_engines` is per node. A one-node fleet runs none of that code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
+
 from miles.actors.base import Actor
+from miles.actors.engine_nodes import FleetError, NodeEngineDown, NodeEngines, NodeEngineUp, NodeFleet
 from miles.wire.messages import EngineSet, EnginesUpdated, GetEngines, Ok
 
 log = logging.getLogger(__name__)
-
-
-class FleetError(RuntimeError):
-    """The fleet cannot serve: an engine or the gateway did not start, or every engine gave up."""
+ROUTING_KEY_POLICIES = ("manual", "consistent_hashing")  # smg policies that pin X-SMG-Routing-Key
+# A session server that failed every /health probe for this long is wedged and restarted. Long on
+# purpose: a restart loses every open session, and a huge render can hold its loop for seconds.
+SESSION_WEDGED_S = 30.0
 
 
 @dataclass
@@ -56,26 +79,73 @@ class _Slot:
     gave_up: bool = False
     restarting: bool = False
     pending_since: int = -1  # generation at which it became pending (-1: serving or down)
+    node: int = -1           # the node whose fleet launched it, on the head (-1: this fleet)
+    remote_index: int = -1   # its index in that node's fleet
 
 
-class EngineFleet(Actor):
+@dataclass
+class _CrashLoop:
+    """A server restarted on its own port (the gateway, the session server): its crash-loop count."""
+    ready_at: float = 0.0
+    quick_deaths: int = 0
+    restarts: int = 0
+
+
+class EngineFleet(NodeFleet, Actor):
     def __init__(self, name: str = "engines"):
         super().__init__(name)
         self.slots: list[_Slot] = []
         self.gateway = None
+        self.session = None  # the TITO session server's handle (None: off)
         self.restarts = 0
-        self.gateway_restarts = 0
         self.version = 0
         self.generation = 0
-        self._gateway_quick_deaths = 0
-        self._gateway_ready_at = 0.0
+        self._gateway_loop = _CrashLoop()
+        self._session_loop = _CrashLoop()
+        self.session_wedged_s = SESSION_WEDGED_S
+        self._session_failing_since: float | None = None  # first failed probe of the current run
+        self._polled: dict[str, float] = {}
+
+    @property
+    def gateway_restarts(self) -> int:
+        return self._gateway_loop.restarts
+
+    @property
+    def session_restarts(self) -> int:
+        return self._session_loop.restarts
+
+    @property
+    def session_enabled(self) -> bool:
+        mode = self.recipe.session.enabled
+        return mode == "on" or (mode == "auto" and bool(self.recipe.rollout.agent))
 
     @property
     def engines(self) -> list:
         return [s.engine for s in self.slots]
 
+    @property
+    def role(self) -> str:
+        return self.name.split("@")[0]
+
+    @property
+    def fleet_nodes(self) -> list[int]:
+        """The nodes this fleet spans; [] for a one-node fleet."""
+        spec = self.spec
+        return list(spec.nodes) if spec is not None and spec.per_node and spec.nodes else []
+
+    @property
+    def is_head(self) -> bool:
+        """This fleet owns the gateway (a one-node fleet, or the first node's of several)."""
+        return "@" not in self.name
+
     async def on_start(self) -> None:
+        if "/" in self.name:
+            raise FleetError(f"{self.name}: an engine fleet on several nodes needs "
+                             f"[actors.{self.role.split('/')[0]}] per_node = true (one fleet per "
+                             f"node), not one process group")
         loop = asyncio.get_running_loop()
+        self.node_rank = int(os.environ.get("MILES_NODE_RANK", "0"))
+        self._node_joined = {n: loop.create_future() for n in self.fleet_nodes[1:]}
         self._ready: asyncio.Future = loop.create_future()
         self._fatal: asyncio.Future = loop.create_future()
         self._launch_task = self._spawn(self._launch())
@@ -120,35 +190,99 @@ class EngineFleet(Actor):
         now = time.monotonic()
         for slot, engine in zip(self.slots, results):
             slot.engine, slot.ready_at = engine, now
+        if not self.is_head:  # another node's fleet: its engines join the head's gateway
+            try:
+                await self.runtime.ref(self.role).call(
+                    NodeEngines(node=self.node_rank, urls=[e.url for e in results]),
+                    timeout_s=cfg.start_timeout_s)
+            except Exception as e:  # noqa: BLE001 - unannounced engines would serve nobody
+                await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results), return_exceptions=True)
+                self._fail(FleetError(f"{self.name} could not announce its engines to {self.role} "
+                                      f"within engine.start_timeout_s = {cfg.start_timeout_s}: {e}"))
+                return
+            self._ready.set_result(None)
+            self._spawn(self._watch())
+            return
+        try:
+            await self._wait_for_nodes()
+        except FleetError as e:
+            await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results), return_exceptions=True)
+            self._fail(e)
+            return
         self._gateway_ports = (free_port(), free_port())
         try:
-            self.gateway = await self._launch_gateway([e.url for e in results])
+            self.gateway = await self._launch_gateway([s.engine.url for s in self.slots])
         except Exception as e:  # noqa: BLE001 - every start failure ends the fleet, named
             await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results), return_exceptions=True)
             self._fail(FleetError(f"the gateway (smg) did not start: {e}"))
             return
-        self._gateway_ready_at = time.monotonic()
+        now = time.monotonic()
+        for slot in self.slots:  # the other nodes' engines have served since they joined
+            slot.ready_at = slot.ready_at or now
+        self._gateway_loop.ready_at = time.monotonic()
+        if self.session_enabled:
+            try:
+                self.session = await self._launch_session_server()
+            except Exception as e:  # noqa: BLE001 - a start failure ends the fleet, named
+                await self.gateway.stop_async(grace_s=2.0)
+                await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results),
+                                     return_exceptions=True)
+                self._fail(FleetError(f"the session server did not start: {e}"))
+                return
+            self._session_loop.ready_at = time.monotonic()
         self._ready.set_result(None)
         self._spawn(self._watch())
+        self._spawn(self._poll_metrics())
 
     async def _launch_gateway(self, urls: list[str]):
         from miles.engines.gateway import GatewayConfig, launch_gateway
 
         port, prometheus_port = self._gateway_ports
         return await launch_gateway(
-            GatewayConfig(port=port, prometheus_port=prometheus_port,
-                          policy=self.recipe.engine.gateway_policy),
+            GatewayConfig(port=port, prometheus_port=prometheus_port, policy=self._gateway_policy()),
             urls, timeout_s=self.recipe.engine.start_timeout_s,
             log_path=self.logdir / "gateway.log")
 
+    def _gateway_policy(self) -> str:
+        policy = self.recipe.engine.gateway_policy
+        if self.session_enabled and policy not in ROUTING_KEY_POLICIES:
+            log.warning("engine.gateway_policy = %r ignores the session routing key; the session "
+                        "server is on, so the gateway uses 'manual' (one engine per session, "
+                        "its KV prefix reused)", policy)
+            return "manual"
+        return policy
+
+    @property
+    def session_token_file(self) -> Path:
+        return Path(self.recipe.output_dir) / "session.token"
+
+    async def _launch_session_server(self):
+        from miles.engines.procs import free_port
+        from miles.engines.session_server import (SessionServerConfig, launch_session_server,
+                                                  write_token_file)
+
+        if self.session is None:  # the first start; a restart keeps the port and the token
+            s = self.recipe.session
+            self._session_config = SessionServerConfig(
+                engine_url=self.gateway.url, model_path=str(self.recipe.model.path),
+                port=free_port(), token_file=str(write_token_file(self.session_token_file)),
+                family=s.family, max_context_tokens=s.max_context_tokens,
+                session_ttl_s=s.session_ttl_s, message_matcher=s.message_matcher,
+                max_body_bytes=s.max_body_bytes)
+        return await launch_session_server(self._session_config,
+                                           self.logdir / "session_server.log",
+                                           timeout_s=self.recipe.engine.start_timeout_s)
+
     async def _launch_engine(self, index: int):
         cfg, model_path = self.recipe.engine, self.recipe.model.path
-        log_path = self.logdir / f"engine{index}.log"
+        log_path = self.logdir / (f"engine{index}.log" if not self.fleet_nodes
+                                  else f"engine{index}.node{self.node_rank}.log")
         if cfg.kind == "sglang":
             from miles.engines.procs import free_port
-            from miles.engines.sglang import SGLangServerArgs, launch_sglang
-            args = SGLangServerArgs(model_path=model_path, port=free_port(), extra_args=dict(cfg.sglang),
-                                    enable_routed_experts=self.recipe.rollout.return_routed_experts)
+            from miles.engines.sglang import launch_sglang, recipe_server_args
+            args = recipe_server_args(self.recipe, index, free_port())
+            if self.fleet_nodes:  # reached from other nodes: this node's address, not loopback
+                args.host = self._engine_host
             return await launch_sglang(args, timeout_s=cfg.start_timeout_s, log_path=log_path)
         from miles.engines.embedded import launch_embedded_engine
         extra = ["--device", cfg.device, "--dtype", cfg.dtype,
@@ -156,8 +290,19 @@ class EngineFleet(Actor):
                  "--context-length", str(cfg.context_length),
                  "--torch-threads", str(cfg.torch_threads),
                  "--random-seed", str(self.recipe.run.seed + index), *cfg.extra_args]
+        if self.recipe.quant.format and "--quantization" not in extra:  # miles/quant: quantized updates
+            extra += ["--quantization", self.recipe.quant.format]
+        if cfg.tp_size > 1 and "--tp-size" not in extra:  # TP ranks of its own (p2p weights)
+            extra += ["--tp-size", str(cfg.tp_size)]
+        if self.recipe.rollout.return_routed_experts and "--enable-return-routed-experts" not in extra:
+            extra.append("--enable-return-routed-experts")
+        host = {"host": self._engine_host} if self.fleet_nodes else {}
         return await launch_embedded_engine(model_path, extra_args=extra, log_path=log_path,
-                                            ready_timeout_s=cfg.start_timeout_s)
+                                            ready_timeout_s=cfg.start_timeout_s, **host)
+
+    @property
+    def _engine_host(self) -> str:
+        return os.environ.get("MILES_HOST", "127.0.0.1")
 
     # ---- supervision ---------------------------------------------------------------------------
 
@@ -170,12 +315,17 @@ class EngineFleet(Actor):
             await asyncio.sleep(cfg.health_interval_s)
             if self._stopped.is_set():  # shutting down: what dies now is not to be restarted
                 return
-            if not self.gateway.process.alive:
+            if self.gateway is not None and not self.gateway.process.alive:
                 await self._restart_gateway()
+            if self.session is not None and not await self._session_healthy():
+                await self._restart_session()
+            if self._fatal.done():
+                return
             for slot in self.slots:
-                if slot.engine is not None and not slot.engine.process.alive and not slot.restarting:
+                if (slot.engine is not None and not slot.engine.process.alive
+                        and not slot.restarting and slot.node < 0):
                     await self._engine_died(slot)
-            if all(s.gave_up for s in self.slots):
+            if self.is_head and all(s.gave_up for s in self.slots):
                 self._fail(FleetError(f"every engine gave up after engine.max_restarts = "
                                       f"{cfg.max_restarts} quick restarts (see {self.logdir})"))
                 return
@@ -187,11 +337,9 @@ class EngineFleet(Actor):
         slot.engine, slot.pending_since = None, -1
         slot.quick_deaths = slot.quick_deaths + 1 if self._quick(slot.ready_at) else 1
         slot.restarting = True
-        if was_serving and self.gateway.process.alive:
-            try:
-                await self.gateway.remove_worker(engine.url, timeout_s=10.0)
-            except Exception as e:  # noqa: BLE001 - the gateway's health check drops it anyway
-                log.warning("could not remove %s from the gateway: %s", engine.url, e)
+        await self._leave_gateway(engine.url, was_serving)
+        self._report(NodeEngineDown(node=self.node_rank, index=slot.index, url=engine.url,
+                                    exit_code=engine.process.returncode))
         self._spawn(self._relaunch(slot))
 
     async def _relaunch(self, slot: _Slot) -> None:
@@ -207,6 +355,9 @@ class EngineFleet(Actor):
                     await asyncio.sleep(cfg.health_interval_s)
                     continue
                 slot.engine, slot.ready_at = fresh, time.monotonic()
+                if not self.is_head:  # the head's fleet makes it pending and publishes to it
+                    self._report(NodeEngineUp(node=self.node_rank, index=slot.index, url=fresh.url))
+                    return
                 self.generation += 1
                 slot.pending_since = self.generation
                 log.info("engine %d restarted at %s; waiting for the current weights (generation %d)",
@@ -215,6 +366,7 @@ class EngineFleet(Actor):
             if self._stopped.is_set():
                 return
             slot.gave_up = True
+            self._report(NodeEngineDown(node=self.node_rank, index=slot.index, url="", gave_up=True))
             log.error("engine %d gave up: it died %d times, each within engine.restart_window_s = "
                       "%s of starting (engine.max_restarts = %d); the fleet runs without it",
                       slot.index, slot.quick_deaths, cfg.restart_window_s, cfg.max_restarts)
@@ -222,29 +374,66 @@ class EngineFleet(Actor):
             slot.restarting = False
 
     async def _restart_gateway(self) -> None:
+        fresh = await self._restart_on_port("the gateway", self.gateway, self._gateway_loop,
+                                            lambda: self._launch_gateway(self._serving_urls()))
+        if fresh is not None:
+            self.gateway = fresh
+            log.info("gateway restarted on %s with %d engine(s)", fresh.url,
+                     len(self._serving_urls()))
+
+    async def _session_healthy(self) -> bool:
+        """Alive and answering `/health`; failed probes for `session_wedged_s` in a row (a wedged
+        server) read as dead, and the process is stopped so the restart finds it gone."""
+        if not self.session.process.alive:
+            return False
+        try:
+            await self.session.health(timeout_s=max(1.0, min(5.0, self.recipe.engine.health_interval_s)))
+            self._session_failing_since = None
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure to answer is a failed probe
+            now = time.monotonic()
+            self._session_failing_since = self._session_failing_since or now
+            if now - self._session_failing_since < self.session_wedged_s:
+                return True
+            log.warning("the session server (%s) failed every health probe for %.1f s (last: %s: "
+                        "%s); stopping it for a restart", self.session.url,
+                        now - self._session_failing_since, type(e).__name__, e)
+            await self.session.stop_async(grace_s=2.0)
+            return False
+
+    async def _restart_session(self) -> None:
+        self._session_failing_since = None
+        fresh = await self._restart_on_port("the session server", self.session, self._session_loop,
+                                            self._launch_session_server)
+        if fresh is not None:
+            self.session = fresh
+            log.info("session server restarted on %s (its open sessions are lost)", fresh.url)
+
+    async def _restart_on_port(self, what: str, old, crash: _CrashLoop, launch):
+        """Relaunch a dead server on its own port (every client's URL stays valid), under the
+        crash-loop rule; returns the new handle, or None after failing the fleet."""
         cfg = self.recipe.engine
-        old = self.gateway
-        log.warning("the gateway (%s) died with code %s; last lines of its log:\n%s", old.url,
+        log.warning("%s (%s) died with code %s; last lines of its log:\n%s", what, old.url,
                     old.process.returncode, old.process.log_tail(10))
         await old.stop_async(grace_s=1.0)  # whatever it left in its process group
-        self._gateway_quick_deaths = (self._gateway_quick_deaths + 1
-                                      if self._quick(self._gateway_ready_at) else 1)
-        last: Exception | None = None
-        while self._gateway_quick_deaths <= cfg.max_restarts:
-            self.gateway_restarts += 1
+        crash.quick_deaths = crash.quick_deaths + 1 if self._quick(crash.ready_at) else 1
+        last = (f"it died {crash.quick_deaths} times, each within engine.restart_window_s = "
+                f"{cfg.restart_window_s} of starting")
+        while crash.quick_deaths <= cfg.max_restarts and not self._stopped.is_set():
+            crash.restarts += 1
             try:
-                self.gateway = await self._launch_gateway(self._serving_urls())
-                self._gateway_ready_at = time.monotonic()
-                log.info("gateway restarted on %s with %d engine(s)", self.gateway.url,
-                         len(self._serving_urls()))
-                return
-            except Exception as e:  # noqa: BLE001
+                fresh = await launch()
+                crash.ready_at = time.monotonic()
+                return fresh
+            except Exception as e:  # noqa: BLE001 - counted as a death at start
                 last = e
-                self._gateway_quick_deaths += 1
-                log.error("the gateway could not be restarted on %s: %s", old.url, e)
+                crash.quick_deaths += 1
+                log.error("%s could not be restarted on %s: %s", what, old.url, e)
                 await asyncio.sleep(cfg.health_interval_s)  # a port in TIME_WAIT frees itself
-        self._fail(FleetError(f"the gateway could not be restarted on its port {old.url} "
-                              f"(engine.max_restarts = {cfg.max_restarts}): {last}"))
+        if not self._stopped.is_set():
+            self._fail(FleetError(f"{what} could not be restarted on its port {old.url} "
+                                  f"(engine.max_restarts = {cfg.max_restarts}): {last}"))
+        return None
 
     def _serving_urls(self) -> list[str]:
         return [s.engine.url for s in self.slots
@@ -253,8 +442,13 @@ class EngineFleet(Actor):
     # ---- handlers ------------------------------------------------------------------------------
 
     async def on_get_engines(self, msg: GetEngines) -> EngineSet:
+        if not self.is_head:  # the head's fleet answers for every node
+            return await self.runtime.ref(self.role).call(msg, timeout_s=self.recipe.engine.start_timeout_s)
         await asyncio.shield(self._ready)
         return EngineSet(gateway_url=self.gateway.url, model_path=self.recipe.model.path,
+                         session_url=self.session.url if self.session is not None else "",
+                         session_token_file=(str(self.session_token_file)
+                                             if self.session is not None else ""),
                          engine_urls=self._serving_urls(),
                          pending_urls=[s.engine.url for s in self.slots
                                        if s.engine is not None and s.pending_since >= 0],
@@ -295,6 +489,60 @@ class EngineFleet(Actor):
         except Exception as e:  # noqa: BLE001 - any doubt: it does not take traffic
             return f"unknown ({type(e).__name__}: {e})"
 
+    async def _poll_metrics(self) -> None:
+        """Every health interval: the engines' prefix-cache hit rate (`/server_info`
+        `internal_states[0].cache_hit_rate`, where an engine reports it) and the session server's
+        open sessions (`/stats`). Values that could not be read this round are left out."""
+        interval = self.recipe.engine.health_interval_s
+        timeout = aiohttp.ClientTimeout(total=max(1.0, min(5.0, interval)))
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while not self._stopped.is_set():
+                polled: dict[str, float] = {}
+                rates = [r for r in await asyncio.gather(*(
+                    self._cache_hit_rate(http, s.engine.url) for s in self.slots
+                    if s.engine is not None and s.engine.process.alive)) if r is not None]
+                if rates:
+                    polled["engine/prefix_cache_hit_rate"] = sum(rates) / len(rates)
+                live = [(i, s.engine.url) for i, s in enumerate(self.slots)
+                        if s.engine is not None and s.engine.process.alive]
+                loads = await asyncio.gather(*(self._load(http, url) for _, url in live))
+                polled.update({f"engine/{i}/requests": n for (i, _), n in zip(live, loads) if n is not None})
+                if self.fleet_nodes:
+                    await self._poll_served(http, polled)
+                if self.gateway is not None:   # smg's own Prometheus endpoint, linked from ours
+                    polled["engines/gateway_metrics_port"] = float(self._gateway_ports[1])
+                if self.session is not None and self.session.process.alive:
+                    try:
+                        stats = await self.session.stats(timeout_s=timeout.total)
+                        open_sessions = stats.get("open_sessions", stats.get("sessions"))
+                        if isinstance(open_sessions, (int, float)):
+                            polled["session/open_sessions"] = float(open_sessions)
+                    except Exception as e:  # noqa: BLE001 - a metric, not a health check
+                        log.debug("session server stats unavailable: %s", e)
+                self._polled = polled
+                await asyncio.sleep(interval)
+
+    @staticmethod
+    async def _load(http: aiohttp.ClientSession, url: str) -> float | None:
+        """Requests running + waiting on one engine (`/get_load`, SGLang's and ours: per DP rank)."""
+        try:
+            async with http.get(url + "/get_load") as resp:
+                body = await resp.json() if resp.status == 200 else None
+            ranks = body if isinstance(body, list) else [body or {}]
+            return float(sum(r.get("num_reqs", 0) for r in ranks if isinstance(r, dict)))
+        except Exception:  # noqa: BLE001 - an engine restarting
+            return None
+
+    @staticmethod
+    async def _cache_hit_rate(http: aiohttp.ClientSession, url: str) -> float | None:
+        try:
+            async with http.get(url + "/server_info") as resp:
+                info = await resp.json() if resp.status == 200 else {}
+            rate = (info.get("internal_states") or [{}])[0].get("cache_hit_rate")
+        except Exception:  # noqa: BLE001 - an engine restarting, or one without the field
+            return None
+        return float(rate) if isinstance(rate, (int, float)) else None
+
     def metrics(self) -> dict[str, float]:
         out = super().metrics()
         out["engines/alive"] = float(sum(1 for e in self.engines if e is not None and e.process.alive))
@@ -303,9 +551,17 @@ class EngineFleet(Actor):
         out["engines/restarts"] = float(self.restarts)
         out["engines/gateway_restarts"] = float(self.gateway_restarts)
         out["engines/generation"] = float(self.generation)
+        out["engine/restarts"] = float(self.restarts)
+        if self.session is not None:
+            out["session/restarts"] = float(self.session_restarts)
+        out.update(self._polled)
         return out
 
     async def on_stop(self) -> None:
+        self.stop()  # the watcher must not restart what is being stopped now
+        self.slots = [s for s in self.slots if s.node < 0]  # other nodes' fleets stop their own
+        if self.session is not None:  # first: it sends to the gateway
+            await self.session.stop_async(grace_s=2.0)
         if self.gateway is not None:
             await self.gateway.stop_async(grace_s=2.0)
         await asyncio.gather(*(e.stop_async(grace_s=3.0) for e in self.engines if e is not None),

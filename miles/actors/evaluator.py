@@ -20,8 +20,18 @@ Design decisions:
   that serve rollouts.
 - The external command runs through the one supervised-process helper (`miles.supervise`): on
   timeout or cancellation its whole process group is killed, and its output goes to a log file.
+- With a depth set (`rollout.generate` / `rollout.agent`), each eval prompt is one episode of
+  the same runner the rollout worker uses (`miles.envs.episode.run_episode`: plug-in, sandbox,
+  verifier), sampled at `eval.temperature`: an agent recipe's held-out reward is the agent's.
+  Its sandboxes are labelled `miles.role=eval` (the worker's sweep leaves them alone); in fleet
+  mode an agent gets a session server of its own in front of the evaluation engine.
 - A failed evaluation returns `ok = false` with the error: that point is skipped and training
   goes on. Rollout admission is resumed whatever happened.
+- pass@k: each prompt is sampled `eval.samples_per_prompt` (n) times, sample j with seed
+  `run.seed + j` (n > 1 needs `eval.temperature` > 0 to differ); a sample passes when its scalar
+  reward is at least `eval.pass_threshold`. `eval/pass@1` and `eval/pass@k` (k = n) are the
+  unbiased estimator of Chen et al. 2021 (`pass_at_k`) averaged over prompts; `eval/reward` is
+  the mean over all samples, `eval/n` the number of prompts.
 """
 
 from __future__ import annotations
@@ -29,18 +39,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shlex
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from miles.actors.base import Actor
 from miles.rl.prompts import prompt_token_ids
 from miles.rl.rewards import call_maybe_async, load_function
-from miles.wire.messages import EvalResult, Evaluate, GetEngines, PauseAdmission, Sample
+from miles.wire.messages import EngineSet, EvalResult, Evaluate, GetEngines, PauseAdmission, Sample
 
 log = logging.getLogger(__name__)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt from n samples of which c passed: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: expected 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 class Evaluator(Actor):
@@ -86,14 +107,15 @@ class Evaluator(Actor):
                 msg.checkpoint_dir, extra_args=["--torch-threads", "1"],
                 log_path=self._logdir() / f"eval-engine-step{msg.step}.log")
             try:
-                return await self._score(engine.url)
+                return await self._score(engine.url, EngineSet(gateway_url=engine.url, engine_urls=[engine.url],
+                                                               model_path=msg.checkpoint_dir))
             finally:
                 await engine.stop_async()
         rollout = self.runtime.ref("rollout")
         engines = await self.runtime.ref("engines").call(GetEngines())
         await rollout.call(PauseAdmission(paused=True))
         try:
-            return await self._score(engines.gateway_url)
+            return await self._score(engines.gateway_url, engines)
         finally:
             await self._resume_admission(rollout)
 
@@ -115,7 +137,7 @@ class Evaluator(Actor):
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    async def _score(self, url: str) -> tuple[dict[str, float], tuple[int, int] | None]:
+    async def _score(self, url: str, engines: EngineSet | None = None) -> tuple[dict[str, float], tuple[int, int] | None]:
         from miles.engines.client import EngineClient, SamplingParams, parse_weight_version
 
         r = self.recipe
@@ -123,11 +145,14 @@ class Evaluator(Actor):
                                 temperature=self.cfg.temperature, sampling_seed=r.run.seed)
         limit = asyncio.Semaphore(self.cfg.max_concurrency)
         served: list[int] = []
+        if r.rollout.generate or r.rollout.agent:
+            engines = engines or EngineSet(gateway_url=url, engine_urls=[url], model_path=r.model.path)
+            return await self._score_episodes(url, engines, params, limit)
         async with EngineClient(url) as client:
-            async def one(prompt):
+            async def one(prompt, j):
                 ids = prompt_token_ids(self.tokenizer, prompt.prompt, r.data.apply_chat_template)
                 async with limit:
-                    result = await client.generate(ids, params, routing_key=f"eval-{prompt.index}")
+                    result = await client.generate(ids, self._nth(params, j), routing_key=f"eval-{prompt.index}")
                 served.extend(parse_weight_version(s.version) for s in result.weight_versions)
                 if not result.weight_versions and result.weight_version:
                     served.append(parse_weight_version(result.weight_version))
@@ -137,14 +162,60 @@ class Evaluator(Actor):
                                 response=self.tokenizer.decode(result.output_ids, skip_special_tokens=True))
                 sample.reward = await call_maybe_async(self.reward_fn, sample)
                 return sample.scalar_reward(r.train.reward_key), len(result.output_ids)
-            results = await asyncio.gather(*(one(p) for p in self.prompts))
-        rewards = [x for x, _ in results]
-        metrics = {"eval/reward": float(np.mean(rewards)), "eval/n": float(len(rewards)),
-                   "eval/response_len": float(np.mean([n for _, n in results]))}
+            results = await self._per_prompt(one)
+        return self._summary(results, served)
+
+    def _nth(self, params, j: int):
+        """Sample j of a prompt: its own seed, so the n samples of pass@k are n draws."""
+        return params if j == 0 else msgspec.structs.replace(params, sampling_seed=(params.sampling_seed or 0) + j)
+
+    async def _per_prompt(self, one) -> list[list[tuple[float, int]]]:
+        n = self.cfg.samples_per_prompt
+        flat = await asyncio.gather(*(one(p, j) for p in self.prompts for j in range(n)))
+        return [flat[i:i + n] for i in range(0, len(flat), n)]
+
+    def _summary(self, results: list[list[tuple[float, int]]], served: list[int]):
+        flat = [x for per_prompt in results for x in per_prompt]
+        n = k = self.cfg.samples_per_prompt   # pass@k at k = n: the most the n samples can tell
+        passed = [sum(x >= self.cfg.pass_threshold for x, _ in per_prompt) for per_prompt in results]
+        metrics = {"eval/reward": float(np.mean([x for x, _ in flat])), "eval/n": float(len(results)),
+                   "eval/response_len": float(np.mean([m for _, m in flat])),
+                   "eval/pass@1": float(np.mean([pass_at_k(n, c, 1) for c in passed])),
+                   "eval/pass@k": float(np.mean([pass_at_k(n, c, k) for c in passed])),
+                   "eval/k": float(k)}
         if not served:
             return metrics, None
         metrics["eval/version_min"], metrics["eval/version_max"] = float(min(served)), float(max(served))
         return metrics, (min(served), max(served))
+
+    async def _score_episodes(self, url: str, engines: EngineSet, params, limit):
+        """Each eval prompt as one episode of the configured depth (the worker's runner)."""
+        from miles.engines.client import EngineClient
+        from miles.envs.episode import EpisodeEnv, run_episode
+
+        r = self.recipe
+        served: list[int] = []
+        async with EngineClient(url, generate_timeout_s=r.rollout.request_timeout_s) as client:
+            env = await EpisodeEnv.open(r, engines, client, self.tokenizer, role="eval",
+                                        incarnation=self.incarnation)
+            try:
+                async def one(prompt, j):
+                    ids = prompt_token_ids(self.tokenizer, prompt.prompt, r.data.apply_chat_template)
+                    key = f"eval-{prompt.index}"
+                    sample = Sample(tokens=np.asarray(ids, np.int32), group_id=key,
+                                    rollout_id=key if j == 0 else f"{key}-s{j}", prompt=prompt.prompt,
+                                    label=prompt.label, metadata=dict(prompt.metadata))
+                    async with limit:
+                        samples = await run_episode(env, sample, self._nth(params, j))
+                    served.extend(v.version for s in samples for v in s.weight_versions)
+                    last = samples[-1]
+                    ok = last.status in ("completed", "truncated")
+                    return (last.scalar_reward(r.train.reward_key) if ok else 0.0), \
+                        sum(s.response_length for s in samples)
+                results = await self._per_prompt(one)
+            finally:
+                await env.close()
+        return self._summary(results, served)
 
     async def _external(self, msg: Evaluate) -> dict[str, float]:
         from miles.supervise import run_command

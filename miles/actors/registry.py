@@ -112,6 +112,7 @@ class Registry(Actor):
         entry = self.entries.get(msg.name)
         if entry is not None and entry.incarnation == msg.incarnation:
             self.last_seen[msg.name] = time.monotonic()
+            entry.loop_lag_ms = msg.loop_lag_ms
             if msg.name in self._silent:
                 self._silent.discard(msg.name)
                 log.warning("registry: %s (incarnation %d) heart-beats again", msg.name,

@@ -1,8 +1,8 @@
 """RolloutWorker: turns prompts into scored groups of samples, scheduling per sample.
 
 Design decisions:
-- Per-sample scheduling: a semaphore of `rollout.max_inflight_samples` bounds concurrent engine
-  requests; every finished trajectory frees its slot at once, so a long sample never holds back
+- Per-sample scheduling: a semaphore of `rollout.max_inflight_samples` bounds concurrent
+  episodes (an engine request, or a plug-in's turns, tools and verifier); every finished trajectory frees its slot at once, so a long sample never holds back
   the short ones of other groups. Groups are started only when the buffer admits them
   (`Reserve`), which is where staleness is controlled; the worker itself never waits for the
   trainer. A group the buffer sends back for a retry is regenerated in its slot at once by its
@@ -34,16 +34,22 @@ Design decisions:
   trained (groups generating here, waiting for a retry, or held by the buffer), and a resumed
   worker generates those first (`source.at(index)`, same seeds) before reading on from the
   saved position.
-- Plug-in points by import path: `rollout.reward` (per sample or batched per group), and the
-  worker class itself (`rollout.worker`); `generate_sample` is the method to override for a
-  custom generate function (multi-turn, tools, agents).
+- Plug-in points by import path: `rollout.reward` (per sample or batched per group), the depths
+  `rollout.generate` / `rollout.agent` (each sample is an episode: `miles.envs.episode`, which
+  also runs the verifier and destroys the episode's sandbox) and `rollout.function` (one call per
+  step: `miles.envs.function`), and the worker class itself (`rollout.worker`; `generate_sample`
+  is the one engine call of the built-in path). An episode may return several samples (a
+  trajectory tree): a group is then larger than `n_samples_per_prompt`.
+- For `rollout.function`: `generate_group(prompt, attempt)` runs the configured per-sample path
+  for one prompt (scored, not put into the buffer); `env` (an `EpisodeEnv`: engine, tokenizer,
+  sandbox pool, sessions) and `sampling_for(prompt_index, sample_index, attempt)` are what a
+  custom loop builds episodes from.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import time
 import uuid
 from typing import Any
@@ -54,8 +60,10 @@ from tenacity import (AsyncRetrying, retry_if_exception, stop_after_attempt, sto
                       wait_exponential)
 
 from miles.actors.base import Actor
+from miles.algo.routing import pack_routing
+from miles.envs.episode import EpisodeEnv, run_episode
 from miles.rl.data import Prompt
-from miles.rl.rewards import check_reward, load_function
+from miles.rl.rewards import call_off_loop, check_reward, load_function
 from miles.wire.messages import (GetEngines, GetRolloutResume, GetRolloutState, Group,
                                  NoteRolloutStart, OrphanSlot, PauseAdmission, PutGroup,
                                  PutReply, ReleaseSlot, Reserve, RolloutState, Sample,
@@ -111,6 +119,7 @@ class RolloutWorker(Actor):
         self._pending: tuple[Prompt, dict | None, list[int], str] | None = None  # read, not admitted
         self._reserves = 0
         self._loop_task: asyncio.Task | None = None
+        self._env: EpisodeEnv | None = None
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
         self.engine_idle_s = 0.0
@@ -123,7 +132,7 @@ class RolloutWorker(Actor):
     # ----- set-up ------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        from miles.engines.client import EngineClient
+        from miles.engines.client import EngineClient, routed_experts_layout_from_config
         from miles.rl.sources import make_source, tokenizer_for
 
         r = self.recipe
@@ -132,12 +141,19 @@ class RolloutWorker(Actor):
         engines = await self.runtime.ref("engines").call(GetEngines(), timeout_s=r.engine.start_timeout_s)
         self.model_path = engines.model_path
         self.tokenizer = tokenizer_for(self.model_path)
+        # R3: the (layers, top_k) that decode routed experts come from the model's config; the
+        # gateway does not forward /model_info, so the client cannot ask the engines for it.
+        layout = routed_experts_layout_from_config(self.model_path) if self.cfg.return_routed_experts else None
         self.client = EngineClient(engines.gateway_url, timeout_s=60.0,
-                                   generate_timeout_s=self.cfg.request_timeout_s)
+                                   generate_timeout_s=self.cfg.request_timeout_s,
+                                   routed_experts_layout=layout)
         self.source = make_source(r, split="train")
         self.reward_fn = load_function(self.cfg.reward, "rollout.reward")
         self.buffer = self.runtime.ref("buffer")
         self.semaphore = asyncio.Semaphore(self.cfg.max_inflight_samples)
+        self._env = await EpisodeEnv.open(r, engines, self.client, self.tokenizer, role="rollout",
+                                          incarnation=self.incarnation, retry=self._retrying,
+                                          reward_fn=self.reward_fn)
         if self.incarnation > 0:
             self._spawn(self._resume_after_restart())
         else:
@@ -145,6 +161,8 @@ class RolloutWorker(Actor):
 
     async def on_stop(self) -> None:
         await self._stop()
+        if self._env is not None:
+            await self._env.close()
         if hasattr(self, "client"):
             await self.client.close()
 
@@ -194,10 +212,16 @@ class RolloutWorker(Actor):
         for o in orphans:
             self.counts["groups_resumed"] += 1
             self._start_group(self.source.at(o.prompt_index), o.slot, o.attempt)
-        self._loop_task = asyncio.get_running_loop().create_task(self._admit_loop())
+        if self.cfg.function:  # rollout.function: one call per step replaces per-sample scheduling
+            from miles.envs.function import run_function_loop
+            self._loop_task = asyncio.get_running_loop().create_task(run_function_loop(self))
+        else:
+            self._loop_task = asyncio.get_running_loop().create_task(self._admit_loop())
 
     async def on_stop_rollout(self, msg: StopRollout) -> None:
         await self._stop()
+        if self._env is not None:
+            await self._env.settle()
 
     async def _stop(self) -> None:
         # Groups cut off here were never trained: a checkpoint taken after this still lists them.
@@ -303,67 +327,98 @@ class RolloutWorker(Actor):
             print(f"ERROR [rollout] slot {slot} could not be released ({type(e).__name__}: {e}); "
                   f"the buffer will hold its admission window until it is", flush=True)
 
-    async def _generate_group(self, prompt: Prompt, slot: int, attempt: int) -> PutReply:
+    async def generate_group(self, prompt: Prompt, attempt: int = 0) -> Group:
+        """`n_samples_per_prompt` episodes of `prompt` by the configured path, with rewards; the
+        buffer is not touched (`rollout.function` loops call this)."""
         group_id = f"p{prompt.index}-a{attempt}-{uuid.uuid4().hex[:6]}"
         prompt_ids = self.tokenize_prompt(prompt)
-        samples = await asyncio.gather(*(
+        # return_exceptions: without it gather ends at the first cancelled episode while its
+        # siblings are still destroying their sandboxes and collecting their sessions.
+        episodes = await asyncio.gather(*(
             self._sample(prompt, prompt_ids, group_id, i, attempt)
-            for i in range(self.cfg.n_samples_per_prompt)))
+            for i in range(self.cfg.n_samples_per_prompt)), return_exceptions=True)
+        for episode in episodes:
+            if isinstance(episode, BaseException):
+                raise episode
+        samples = [s for episode in episodes for s in episode]
+        for i, s in enumerate(samples):   # a trajectory tree adds samples: positions are per group
+            s.index = i
+            if s.routed_experts is not None:   # R3: engine int32 -> uint8/uint16 before it travels
+                s.routed_experts = pack_routing(s.routed_experts)
         if self.cfg.reward_batched:
             await self._reward_group(samples)
-        group = Group(group_id=group_id, samples=list(samples), prompt_index=prompt.index)
+        return Group(group_id=group_id, samples=samples, prompt_index=prompt.index)
+
+    @property
+    def env(self) -> EpisodeEnv:
+        """The episodes' shared parts (opened in `on_start`; a worker driven without it gets
+        one without sandboxes or sessions)."""
+        if self._env is None:
+            self._env = EpisodeEnv(self.recipe, self.client, self.tokenizer, role="rollout",
+                                   incarnation=self.incarnation, retry=self._retrying,
+                                   reward_fn=self.reward_fn)
+        return self._env
+
+    def sampling_for(self, prompt_index: int, sample_index: int, attempt: int):
+        return sampling_params(self.cfg, sample_seed(self.seed, prompt_index, sample_index, attempt))
+
+    async def _generate_group(self, prompt: Prompt, slot: int, attempt: int) -> PutReply:
+        group = await self.generate_group(prompt, attempt)
         reply = await self.buffer.call(PutGroup(group=group, slot=slot, owner=self.incarnation),
                                        timeout_s=10**9, retries=BUFFER_RETRIES)
         self.counts["groups_put"] += 1
         return reply
 
     async def _sample(self, prompt: Prompt, prompt_ids: list[int], group_id: str, index: int,
-                      attempt: int) -> Sample:
+                      attempt: int) -> list[Sample]:
+        """One episode (one sample, or a trajectory tree of several), scored."""
         sample = Sample(tokens=np.asarray(prompt_ids, np.int32), response_length=0,
                         group_id=group_id, rollout_id=f"{group_id}-{index}", index=index,
                         prompt=prompt.prompt, label=prompt.label,
                         metadata={**prompt.metadata, "retries": attempt, "prompt_index": prompt.index})
+        seed = sample_seed(self.seed, prompt.index, index, attempt)
         async with self.semaphore:
             self._busy(+1)
             try:
-                sample = await self._generate_retrying(
-                    sample, sample_seed(self.seed, prompt.index, index, attempt))
+                samples = await run_episode(self.env, sample, self.sampling_for(prompt.index, index, attempt),
+                                            generate=lambda ctx, s: self._generate_retrying(s, seed),
+                                            verify=not self.cfg.reward_batched)
             except Exception as e:
                 sample.status, sample.metadata["error"] = "failed", f"{type(e).__name__}: {e}"
+                samples = [sample]
             finally:
                 self._busy(-1)
-        self.counts["samples"] += 1
-        if sample.status in ("completed", "truncated") and not self.cfg.reward_batched:
-            try:
-                sample.reward = check_reward(await self._call_reward(sample),
-                                             f"rollout.reward {self.cfg.reward!r}")
-            except Exception as e:
-                sample.status, sample.metadata["error"] = "failed", f"reward: {type(e).__name__}: {e}"
-        if sample.status == "failed":
-            self.counts["samples_failed"] += 1
-        elif sample.reward is not None:
-            try:
-                self.recent_rewards.append(sample.scalar_reward(self.recipe.train.reward_key))
-            except ValueError:
-                pass  # a dict reward without train.reward_key: the trainer names the problem
-        return sample
+        for s in samples:
+            self.counts["samples"] += 1
+            if s.status == "failed":
+                self.counts["samples_failed"] += 1
+            elif s.reward is not None:
+                try:
+                    self.recent_rewards.append(s.scalar_reward(self.recipe.train.reward_key))
+                except ValueError:
+                    pass  # a dict reward without train.reward_key: the trainer names the problem
+        return samples
 
-    async def _generate_retrying(self, sample: Sample, seed: int) -> Sample:
-        """`generate_sample`, retried from the prompt (same seed) on transient engine errors."""
+    async def _retrying(self, call):
+        """`await call()`, retried (same input, same seed) on transient engine errors with back-off."""
         async for attempt in AsyncRetrying(
                 retry=retry_if_exception(transient), reraise=True,
                 wait=wait_exponential(multiplier=0.2, max=5.0),
                 stop=stop_after_delay(self.cfg.engine_retry_s), before_sleep=self._note_retry):
             with attempt:
-                out = await self.generate_sample(
-                    msgspec.structs.replace(sample, metadata=dict(sample.metadata)), seed)
-                if out.status == "aborted":
-                    self.counts["partial_tokens_dropped"] += out.response_length
-                    raise EngineAborted(f"the engine aborted the request after "
-                                        f"{out.response_length} tokens")
+                out = await call()
+                if getattr(out, "aborted", False) or getattr(out, "status", "") == "aborted":
+                    n = getattr(out, "response_length", None) or len(getattr(out, "output_ids", []))
+                    self.counts["partial_tokens_dropped"] += n
+                    raise EngineAborted(f"the engine aborted the request after {n} tokens")
                 self._engines_up.set()
                 return out
         raise AssertionError("unreachable: tenacity reraises the last error")
+
+    async def _generate_retrying(self, sample: Sample, seed: int) -> Sample:
+        """`generate_sample`, retried from the prompt (same seed) on transient engine errors."""
+        return await self._retrying(lambda: self.generate_sample(
+            msgspec.structs.replace(sample, metadata=dict(sample.metadata)), seed))
 
     def _note_retry(self, state) -> None:
         self.counts["requests_retried"] += 1
@@ -388,11 +443,7 @@ class RolloutWorker(Actor):
         print(f"[rollout] admission resumed after {time.monotonic() - t0:.1f}s", flush=True)
 
     async def _call_reward(self, arg: Any) -> Any:
-        fn = self.reward_fn
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-            return await fn(arg)
-        out = await asyncio.to_thread(fn, arg)  # a slow def must not stall heartbeats
-        return await out if inspect.isawaitable(out) else out
+        return await call_off_loop(self.reward_fn, arg)
 
     async def _reward_group(self, samples: list[Sample]) -> None:
         ok = [s for s in samples if s.status in ("completed", "truncated")]
@@ -456,4 +507,7 @@ class RolloutWorker(Actor):
                     "rollout/admission_paused_s": self.admission_paused_s})
         if self.recent_rewards:  # every sample, before the buffer's filter (the batch is biased)
             out["rollout/reward_recent"] = sum(self.recent_rewards) / len(self.recent_rewards)
+        if self._env is not None:
+            out.update(self.env.metrics.values())
+            out.update(self.env.pool_values())
         return out

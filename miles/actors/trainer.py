@@ -22,15 +22,22 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import msgspec
 
 from miles.actors.base import Actor
-from miles.wire.messages import (CheckpointState, GetEngines, LoadCheckpoint, Ok, PublishWeights,
-                                 SaveCheckpoint, TrainResult, TrainStep)
+from miles.wire.messages import (CheckpointState, GetEngines, LoadCheckpoint, Ok, Published,
+                                 PublishWeights, SaveCheckpoint, TrainResult, TrainStep)
 
 log = logging.getLogger(__name__)
+
+
+def _takes_index(train) -> bool:
+    import inspect
+    params = inspect.signature(train).parameters
+    return "index" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Trainer(Actor):
@@ -54,7 +61,17 @@ class Trainer(Actor):
     async def on_train_step(self, msg: TrainStep) -> TrainResult:
         # The phase is an argument of the call, never state set on the backend: a call waiting
         # for the lock cannot change the config of the one running.
-        metrics = await self._run(self.backend.train, msg.samples, self.phases[msg.phase])
+        # index: this rank's DP shard of the batch (miles.loop.shard_batch); None: the whole batch
+        train = self.backend.train
+        if msg.index is not None:
+            if _takes_index(train):
+                train = functools.partial(train, index=msg.index)
+            elif len(msg.samples) != len(msg.index.lengths):
+                raise TypeError(f"{type(self.backend).__name__}.train() takes no `index`, so it cannot "
+                                "train from a data-parallel shard of the batch (miles/backends/base.py: "
+                                "train(samples, phase, index)); add the parameter, or run one DP rank")
+            # else: the shard is the whole batch (one DP rank); a backend older than `index` trains it
+        metrics = await self._run(train, msg.samples, self.phases[msg.phase])
         return TrainResult(metrics={k: float(v) for k, v in metrics.items()})
 
     async def _ensure_publisher(self, engine_urls: list[str] | None = None):
@@ -86,7 +103,7 @@ class Trainer(Actor):
             self.publisher = WeightPublisher(cfg, list(engine_urls), self.transport)
         return self.publisher
 
-    async def on_publish_weights(self, msg: PublishWeights) -> Ok:
+    async def on_publish_weights(self, msg: PublishWeights) -> Published:
         """Publish `msg.version` to `msg.engine_urls` (or the connected set). An engine that dies
         before or during it is dropped: the ranks agree on the survivors, reconnect and publish
         again (the gather is collective, so every rank repeats it); only with no engine left, or a
@@ -118,8 +135,10 @@ class Trainer(Actor):
                     verdict = await self._settle(error, targets)
                     if verdict[0] == "ok":
                         dropped = sorted(set(asked) - set(self.engine_urls))
-                        return Ok(detail=f"version {version}" + (
-                            f"; dropped dead engines {dropped}" if dropped else ""))
+                        report = self.publisher.last_report if self.publisher is not None else None
+                        return Published(detail=f"version {version}" + (
+                            f"; dropped dead engines {dropped}" if dropped else ""),
+                            metrics=report.metrics() if report is not None else {})
                 if verdict[0] == "fail":
                     raise RuntimeError(verdict[1])
                 log.warning("publish of version %d failed (%s); engines %s do not answer: publishing "
@@ -200,6 +219,12 @@ def build_backend(recipe, rank):
 
     rl = phases_for(recipe)["rl"]
     backend = make_backend(recipe.train.backend)
+    if recipe.quant.train != "bf16":  # miles/quant/train.py
+        if not hasattr(backend, "lm_transform"):
+            raise ValueError(f"quant.train = {recipe.quant.train!r} is wired for train.backend = "
+                             f"'fsdp' only, not {recipe.train.backend!r}")
+        from miles.quant.train import training_transform
+        backend.lm_transform = training_transform(recipe.quant)
     backend.init(rl.config, rank, rl.loss)
     return backend
 

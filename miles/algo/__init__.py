@@ -20,7 +20,7 @@ Config
     kl_coef (reward shaping); loss_type "policy" | "sft"; eps_clip, eps_clip_high, eps_clip_c;
     kl_loss_coef, kl_loss_type, use_unbiased_kl; entropy_coef; use_tis, tis_clip, tis_clip_low;
     use_mis, mis_low, mis_high; loss_reduction "auto" | "token" | "sample" | "rollout" | "constant",
-    max_response_tokens; value_clip; opd_kl_coef. `cfg.reduction` is the reduction in force: "auto"
+    max_response_tokens; value_clip; opd_kl_coef, opd_only. `cfg.reduction` is the reduction in force: "auto"
     lets the estimator pick its paper's (dr_grpo: "constant", gspo: per-sequence mean), and a
     reduction the estimator's paper contradicts is refused.
 

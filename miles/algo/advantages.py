@@ -214,7 +214,9 @@ def compute_advantages(
         raise ValueError(f"kl is required: kl_coef={cfg.kl_coef} shapes the reward for {estimator}")
     shaping_kl = kl if cfg.kl_coef > 0 else None
 
-    if estimator in ("grpo", "dr_grpo", "gspo"):
+    if cfg.opd_only:  # pure distillation: the reverse-KL term below is the whole advantage
+        advantages = returns = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)
+    elif estimator in ("grpo", "dr_grpo", "gspo"):
         per_sample = group_advantages(
             rewards, _need("group_ids", group_ids, estimator), normalize_std=cfg.std_normalized, rollout_ids=rollout_ids
         )
@@ -244,7 +246,8 @@ def compute_advantages(
             kl_coef=cfg.kl_coef,
         )
 
-    if cfg.normalize_advantages and estimator not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+    if cfg.normalize_advantages and not cfg.opd_only and estimator not in ("reinforce_plus_plus",
+                                                                            "reinforce_plus_plus_baseline"):
         advantages = whiten(advantages, mask, sum_across_ranks=sum_across_ranks)
     if cfg.opd_kl_coef > 0:
         advantages = apply_distillation(

@@ -19,8 +19,17 @@ Design decisions:
     gspo -> "rollout" (or "sample"): GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization",
       arXiv:2507.18071) averages one clipped sequence-level term per response, 1/G sum_i;
       "token" (and "constant") would weight each response by its length.
+- The reductions (reduce.py has the formulas and the proof): "token" (1/|T|) sum_t l_t over all
+  trained tokens of the step; "sample" (1/S) sum_s (1/|T_s|) sum_{t in T_s} l_t; "rollout"
+  (1/R) sum_r (1/|T_r|) sum_{t in T_r} l_t, where T_r is every trained token of rollout r over all
+  the samples sharing its `rollout_id`: a harness that forks, retries, spawns subagents or compacts
+  its context (a trajectory tree) produces the same gradient scale however many samples its rollout
+  became, and a rollout with 5 samples weighs like one with 1; "constant" (1/(B R)) sum_t l_t with B
+  the generation budget (Dr. GRPO).
 - `max_response_tokens` is Dr. GRPO's constant (the paper's MAX_TOKENS). 0 means "the generation
   budget": the trainer fills in `rollout.max_new_tokens`, which this Struct cannot see.
+- `opd_only` (pure on-policy distillation) drops the estimator's advantages and keeps only the
+  reverse-KL term of `opd_kl_coef`; it needs `opd_kl_coef > 0`.
 - Messages name the recipe key (`algo.eps_clip = -0.1: must be > 0.0`).
 - msgspec only type-checks on decode, so `__post_init__` re-checks choices and ranges; a config built
   in Python (`LossConfig(eps_clip=-1)`) fails as clearly as one decoded from TOML.
@@ -88,7 +97,9 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     mis_high: float = 2.0
 
     # --- reduction ---
-    loss_reduction: LossReduction = "auto"  # auto: the estimator's own (see `reduction`)
+    # auto: the estimator's own (see `reduction`); "rollout": (1/R) sum_r (1/|T_r|) sum_{t in T_r} l_t,
+    # one vote per rollout whatever number of samples (siblings sharing rollout_id) it produced
+    loss_reduction: LossReduction = "auto"
     max_response_tokens: int = 0  # "constant"'s budget per response; 0: the trainer uses rollout.max_new_tokens
 
     # --- critic (PPO) ---
@@ -96,6 +107,8 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     # --- on-policy distillation (optional): advantage_t -= opd_kl_coef * (student_t - teacher_t) ---
     opd_kl_coef: float = 0.0
+    # pure distillation: ignore the reward, advantage_t = -opd_kl_coef * (student_t - teacher_t)
+    opd_only: bool = False
 
     def __post_init__(self) -> None:
         _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
@@ -118,6 +131,9 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         _in_range("mis_high", self.mis_high, low=self.mis_low, low_open=True)
         _in_range("value_clip", self.value_clip, low=0.0, low_open=True)
         _in_range("opd_kl_coef", self.opd_kl_coef, low=0.0)
+        if self.opd_only and self.opd_kl_coef <= 0:
+            raise ValueError("algo.opd_only = true: pure distillation needs algo.opd_kl_coef > 0 "
+                             f"(got {self.opd_kl_coef})")
         if self.use_tis and self.use_mis:
             raise ValueError("algo.use_tis = true and algo.use_mis = true: pick one mismatch correction")
         if isinstance(self.max_response_tokens, bool) or not isinstance(self.max_response_tokens, int) \

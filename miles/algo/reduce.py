@@ -52,6 +52,24 @@ def loss_denominators(
 ) -> torch.Tensor:
     """float64 [num_samples] per-sample denominators for the WHOLE step.
 
+    The "rollout" reduction, for black-box trajectory trees. The step holds R rollouts; rollout r
+    produced the samples S_r (one, or several when its harness forked, retried, spawned subagents
+    or compacted its context), and T_r is the set of its trained tokens over all of S_r
+    (loss_mask = 1), |T_r| = sum over s in S_r of loss_mask_counts[s]. Every sample s of rollout r
+    gets denominator_s = |T_r| * R, so
+
+        loss = sum_s sum_{t in T_s} l_t / (|T_r(s)| * R)
+             = (1/R) sum_r (1/|T_r|) sum_{t in T_r} l_t
+
+    which depends on each rollout's set of trained tokens, not on how they are cut into samples:
+    one rollout as 1 sample, or the same tokens (same contexts, hence the same l_t) split into k
+    samples whose loss masks partition T_r, gives the same loss and the same gradient. The
+    advantage inside l_t does not change either: group statistics count a rollout once
+    (`advantages.group_advantages`). "sample" instead weighs each sample 1/S and averages over its
+    own tokens, so a rollout split into k samples counts k times; "token" is split-invariant too,
+    but weighs a rollout by its length. R and |T_r| are counted per optimizer step; the planner
+    keeps groups (hence rollouts) whole within one step. |T_r| = 0 is clamped to 1 (numerator 0).
+
     loss_mask_counts: int [num_samples], trained tokens per sample (see layout.loss_mask_counts).
     reduction: a resolved reduction, i.e. `LossConfig.reduction`.
     rollout_ids: int [num_samples], siblings of one rollout share an id (optional).

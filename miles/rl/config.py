@@ -31,7 +31,7 @@ class LoopConfig(Section):
     mode: Literal["sync", "one_step_off", "fully_async"] = "fully_async"
     num_steps: Count = 100            # 0: only the warm-start and the evaluations
     groups_per_step: Positive = 8     # prompts per training step (each gives a group of n samples)
-    max_staleness: Count = 2          # fully_async: how many versions a group may lag when trained
+    max_staleness: Count = 2          # fully_async: how many versions a group may lag when trained (a straggler overtaken by faster groups: one more)
     save_every: Count = 0             # checkpoint every k steps (0: only at the end)
     resume: bool = True               # continue from the newest checkpoint in the run directory
     eval_every: Count = 0             # 0: eval only at the start and the end
@@ -56,7 +56,7 @@ class DataConfig(Section):
     path: str = ""                    # .jsonl / .parquet rows with prompt, label, metadata
     eval_path: str = ""
     sft_path: str = ""                # prompt/label rows for the supervised warm-start
-    task: str = ""                    # or a built-in synthetic task: "sort_digits" | "addition"
+    task: str = ""                    # or a built-in task ("sort_digits", "find_file", ...) or "module:function" task set
     source: str = ""                  # or "module:function" returning a DataSource
     prompt_key: str = "prompt"
     label_key: str = "label"
@@ -74,7 +74,13 @@ class RolloutConfig(Section):
     top_k: Annotated[int, Meta(ge=-1)] = -1   # -1: off; 0 is refused (it would allow no token)
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
     ignore_eos: bool = False
-    return_routed_experts: bool = False  # R3: record the experts each token was routed to
+    # Capture only: the engines record the experts each token was routed to, samples carry them
+    # (uint8/uint16, miles.algo.routing) and the trainer measures train/routing_agreement.
+    return_routed_experts: bool = False
+    # R3 (routing replay): capture as above AND the trainer routes every token through the experts
+    # the rollout used (old-logprob pass, training pass, recompute). Implies return_routed_experts
+    # (set at load); refused for a dense model; a trained sample without routing is refused.
+    r3: bool = False
     reward: str = "math"              # built-in name or "module:function"
     reward_batched: bool = False      # call the reward once per group with all its samples
     max_retries: Count = 2            # per group, for failed samples / retry decisions
@@ -82,6 +88,48 @@ class RolloutConfig(Section):
     engine_retry_s: NonNegative = 60.0  # per request: retry transient engine/gateway errors with
                                         # back-off (0.2 s doubling to 5 s) for up to this long
     worker: str = "miles.actors.rollout:RolloutWorker"
+    # The plug-in depths (miles.envs), each "module:function"; at most one of the three is set.
+    # Unset: one engine call per sample (the worker's `generate_sample`).
+    generate: str = ""                # async def generate(ctx, sample) -> Sample | list[Sample]
+    agent: str = ""                   # async def agent(base_url, task) -> dict | None (via the session server)
+    function: str = ""                # async def rollout(ctx, n_groups) -> list[Group] (one step's groups)
+
+
+class AgentConfig(Section):
+    """Limits of one episode (an agent run or a multi-turn generate), enforced by the framework
+    and handed to agents as `task["limits"]`. A sample that hits one is marked "truncated"."""
+    max_turns: Positive = 16          # model calls per episode
+    max_episode_tokens: Positive = 8192  # tokens the model may generate in one episode
+    turn_timeout_s: Seconds = 120.0   # one model call
+    episode_timeout_s: Seconds = 600.0  # the whole episode, tools and verifier excluded
+    tool_timeout_s: Seconds = 60.0    # one tool call in the sandbox
+    keep: Literal["drop_retries", "all", "last"] = "drop_retries"  # which session samples to train
+
+
+class SandboxConfig(Section):
+    """`[sandbox]`: one fresh sandbox per episode, created before its first tool call and destroyed
+    after the verifier in every outcome. A task's `metadata["image"]` overrides `image`, and its
+    `metadata["files"]` ({path: text}) are written into the sandbox when it is created."""
+    backend: str = ""                 # "" (none) | subprocess | bwrap | docker | e2b | daytona | modal | agentenv
+    image: str = ""                   # default image (container and cloud backends)
+    rootfs: str = ""                  # or a host directory as the root tree (subprocess, bwrap)
+    cpu: Annotated[float, Meta(gt=0.0, le=512.0)] = 1.0
+    memory_mb: Annotated[int, Meta(ge=16)] = 1024
+    network: bool = False
+    ttl_s: Annotated[float, Meta(ge=1.0, le=604800.0)] = 3600.0
+    max_concurrent: Positive = 32     # live sandboxes at once (the pool's bound)
+    create_rate_per_s: NonNegative = 0.0  # 0: unlimited
+    options: dict[str, str | int | float | bool] = {}  # backend constructor options
+
+
+class SessionConfig(Section):
+    """`[session]`: the TITO session server, a supervised process in front of the gateway."""
+    enabled: Literal["auto", "on", "off"] = "auto"  # auto: on when rollout.agent is set
+    family: str = "qwen3"             # chat template + tool parser: qwen3 | llama3 | module:Class
+    max_context_tokens: Count = 0     # 0: the model's context length
+    session_ttl_s: Seconds = 3600.0   # idle sessions are dropped after this
+    message_matcher: str = "default"
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = 4 << 20  # larger requests get a 413 before they are read
 
 
 class BufferConfig(Section):
@@ -102,8 +150,14 @@ class EngineConfig(Section):
     max_running_requests: Positive = 64
     context_length: Annotated[int, Meta(ge=2)] = 4096  # a prompt token and a generated one
     torch_threads: Positive = 1
-    extra_args: list[str] = []
-    sglang: dict[str, str | int | float | bool | list[str]] = {}
+    extra_args: list[str] = []         # the embedded engine's extra command-line flags
+    # each engine server's layout (the embedded engine: tp_size only); engine i uses GPUs base_gpu_id + i*tp*dp onwards
+    tp_size: Positive = 1
+    dp_size: Positive = 1
+    ep_size: Positive = 1
+    mem_fraction_static: Annotated[float, Meta(gt=0.0, lt=1.0)] | None = None
+    base_gpu_id: Count = 0            # the first GPU of this node the engines use (after the trainer's)
+    sglang: dict[str, str | int | float | bool | list[str]] = {}  # any other SGLang flag, as written
     gateway_policy: str = "manual"
     start_timeout_s: Seconds = 600.0
     health_interval_s: Seconds = 2.0
@@ -120,6 +174,10 @@ class EvalConfig(Section):
     command: str = ""                 # external mode: run with {checkpoint} and {step} filled in
     timeout_s: Seconds = 600.0
     max_concurrency: Positive = 32        # eval requests in flight at once (shared and fleet modes)
+    # pass@k (shared and fleet modes): episodes per prompt, n; eval/pass@1 and eval/pass@k (k = n)
+    # by the unbiased estimator. n > 1 needs temperature > 0, or the n samples are one.
+    samples_per_prompt: Positive = 1
+    pass_threshold: float = 1.0           # a sample passes when its scalar reward is at least this
 
 
 class SFTConfig(Section):
@@ -133,7 +191,11 @@ class LoggingConfig(Section):
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "miles"
-    progress: bool = True
+    progress: bool = True             # a progress bar on the head's console (a TTY only)
+    console_every: Positive = 10      # a one-line summary on the console every k steps
+    # Prometheus /metrics on every node daemon, the dashboard on the head: 0 = cluster.head_port
+    # + 1 + node rank, -1 = off (the URL is written to <run>/metrics_url.node<rank>)
+    metrics_port: Annotated[int, Meta(ge=-1, le=65535)] = 0
     plot: bool = True
     # the flight recorder: write every wire message of these steps to runs/<name>/wire/
     record_wire: bool = False

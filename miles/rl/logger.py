@@ -1,5 +1,5 @@
-"""Run metrics: JSONL always, TensorBoard and W&B when installed and asked for, a progress bar,
-and a reward-curve PNG at the end.
+"""Run metrics: JSONL always, TensorBoard and W&B when installed and asked for, and a reward-curve
+PNG at the end. The progress bar is the node daemon's, drawn from the JSONL (`miles.console`).
 
 Design decisions:
 - JSONL is the source of truth (`metrics.jsonl`, one object per step or eval, each with `step`,
@@ -24,7 +24,7 @@ class MetricsLogger:
         self.cfg, self.t0 = cfg, time.monotonic()
         self.path = self.dir / "metrics.jsonl"
         self.file = open(self.path, "a" if resume else "w") if cfg.jsonl else None
-        self.tb = self.wandb = self.bar = None
+        self.tb = self.wandb = None
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -37,10 +37,6 @@ class MetricsLogger:
                 self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(self.dir))
             except Exception as e:
                 print(f"[logger] wandb unavailable ({e}); skipping it", flush=True)
-        if cfg.progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, desc="RL steps", file=sys.stdout, dynamic_ncols=True,
-                            mininterval=0.5)
 
     def log(self, kind: str, step: int, metrics: dict, **extra) -> None:
         record = {"kind": kind, "step": step, "time_s": round(time.monotonic() - self.t0, 3),
@@ -54,17 +50,8 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log({**numeric, "step": step})
-        if self.bar is not None:
-            if kind == "train":
-                self.bar.update(1)
-            shown = {k.split("/")[-1]: f"{v:.3g}" for k, v in numeric.items()
-                     if k in ("rollout/reward", "eval/reward", "buffer/staleness_avg")}
-            if shown:
-                self.bar.set_postfix(shown)
 
     def close(self, plot: bool = True) -> Path | None:
-        if self.bar is not None:
-            self.bar.close()
         if self.file:
             self.file.close()
         if self.tb is not None:

@@ -88,6 +88,15 @@ async def call_maybe_async(fn: Callable, *args) -> Any:
     return out
 
 
+async def call_off_loop(fn: Callable, *args, **kwargs) -> Any:
+    """Await an async reward; run a plain one in a thread, so a slow one never stalls the event
+    loop (and the actor's heartbeats)."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        return await fn(*args, **kwargs)
+    out = await asyncio.to_thread(fn, *args, **kwargs)
+    return await out if inspect.isawaitable(out) else out
+
+
 def check_reward(value: Any, where: str) -> float | dict[str, float]:
     if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
         raise ValueError(f"{where}: reward must be a number or a dict of numbers, got {value!r}")

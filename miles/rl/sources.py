@@ -33,7 +33,7 @@ def prepare_recipe(recipe):
         make_task(out, data.task, seed=recipe.run.seed)
         data = msgspec.structs.replace(
             data, path=str(out / "train.jsonl"), eval_path=data.eval_path or str(out / "test.jsonl"),
-            sft_path=data.sft_path or str(out / "sft.jsonl"))
+            sft_path=data.sft_path or (str(out / "sft.jsonl") if (out / "sft.jsonl").exists() else ""))
     return with_default_actors(msgspec.structs.replace(recipe, model=model, data=data, train=train))
 
 

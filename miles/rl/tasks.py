@@ -1,13 +1,28 @@
-"""Synthetic tasks with verifiable answers, for the quickstart and tests (train / held-out / SFT splits).
+"""Synthetic tasks with verifiable answers, for the quickstarts and tests (train / held-out / SFT splits).
 
 - `sort_digits` (the quickstart's): "sort 382 =" -> "238". 1,000 prompts, a quarter held out. A
   2-layer model learns the rule, not a table, so what it learns on the train split shows on the
   held-out split (measured: SFT alone goes from 0 to ~0.9 on both).
 - `addition`: "3+5=" -> "8" over single digits. Too few pairs for a tiny model to generalize to
   held-out pairs (it memorizes); kept for tests that only need a verifiable reward.
+- `find_file` (the agent quickstart's): a few files with short names and 3-digit contents are put
+  in the episode's sandbox (`metadata["files"]`); the prompt names the one holding the answer. The
+  model must call `read_file` on it and `submit` what it read; the verifier
+  (`miles.envs.tool_agent:verify_submission`) reads the submission from the sandbox. Both steps
+  copy text the model has seen (the name from the prompt, the digits from the tool result), which
+  a 2-layer model can learn. The held-out split's answers are a quarter of all 3-digit strings that
+  no train row has as its answer. The episodes send no tool schemas (`declare_tools = False`): the
+  model learns its two tools in the warm-start, and a turn's prompt is ~25 tokens instead of ~500
+  with the tiny tokenizer (the tool system prompt), which is what makes the CPU run fit in minutes.
+  `find_file_declared` is the same task with the schemas sent (measured: 5x slower SFT steps).
 
-`python -m miles.rl.tasks KIND OUT_DIR` writes train.jsonl, test.jsonl and sft.jsonl (the SFT rows
-are the train rows: prompt + label). The train and test splits share no prompt.
+`python -m miles.rl.tasks KIND OUT_DIR` writes train.jsonl, test.jsonl and sft.jsonl. The train and
+test splits share no prompt (no answer, for `find_file`). For the plain tasks the SFT rows are the
+train rows (prompt + label). For `find_file` they are correct tool-call transcripts of train rows,
+one row per assistant turn: `prompt` is the conversation so far rendered through the session
+family's chat template, tools included (exactly the text the session server renders, so the SFT
+tokens equal the RL prompts'), and `label` is the assistant turn as the model must write it, without
+its end-of-turn token (the warm-start appends the tokenizer's EOS, `<|im_end|>` for ChatML).
 """
 
 from __future__ import annotations
@@ -15,8 +30,10 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import string
 import sys
 from pathlib import Path
+from pkgutil import resolve_name
 
 
 def _sort_digits() -> list[tuple[str, str]]:
@@ -28,26 +45,117 @@ def _addition() -> list[tuple[str, str]]:
     return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
 
-TASKS = {"sort_digits": _sort_digits, "addition": _addition}
+FIND_FILE_TOOLS = ["read_file", "submit"]   # the tools an episode offers (metadata["tools"])
+FIND_FILE_FILES = 3                         # files in each sandbox: one answer, the rest distractors
+
+
+def find_file_rows(seed: int, n_train: int = 3000, test_frac: float = 0.25,
+                   declare_tools: bool = False) -> tuple[list[dict], list[dict]]:
+    """(train, test) rows of `find_file`; test answers never occur as a train answer.
+    `declare_tools` is each row's `metadata["declare_tools"]`: whether the agent sends the schemas."""
+    rng = random.Random(seed)
+    values = [f"{i:03d}" for i in range(1000)]
+    rng.shuffle(values)
+    n_test = int(len(values) * test_frac)
+    test_values, train_values = values[:n_test], values[n_test:]
+
+    def row(answer: str) -> dict:
+        names = rng.sample(string.ascii_lowercase, FIND_FILE_FILES)
+        files = {f"{n}.txt": f"{rng.randrange(1000):03d}" for n in names}
+        target = rng.choice(names) + ".txt"
+        files[target] = answer
+        return {"prompt": f"Submit the number in {target}.", "label": answer,
+                "metadata": {"files": files, "tools": FIND_FILE_TOOLS, "target": target,
+                             "declare_tools": declare_tools}}
+
+    return [row(rng.choice(train_values)) for _ in range(n_train)], [row(v) for v in test_values]
+
+
+def transcript(row: dict) -> list[dict]:
+    """The correct episode of a `find_file` row, as OpenAI messages (tool call ids are not rendered)."""
+    target, answer = row["metadata"]["target"], row["label"]
+
+    def call(i: int, name: str, args: dict) -> dict:
+        return {"role": "assistant", "content": None, "tool_calls": [{
+            "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
+
+    return [{"role": "user", "content": row["prompt"]},
+            call(0, "read_file", {"path": target}),
+            {"role": "tool", "tool_call_id": "call_0", "content": row["metadata"]["files"][target]},
+            call(1, "submit", {"answer": answer})]
+
+
+def sft_rows(rows: list[dict], family: str = "qwen3") -> list[dict]:
+    """One prompt/label row per assistant turn of each row's correct transcript."""
+    from miles.envs.tool_agent import tool_specs
+    from miles.tito.families import get_family
+    from miles.tito.messages import parse_openai_messages, parse_openai_tools
+
+    fam = get_family(family)
+    out = []
+    for row in rows:
+        messages = parse_openai_messages(transcript(row))
+        meta = row["metadata"]
+        tools = parse_openai_tools(tool_specs(meta["tools"])) if meta.get("declare_tools", True) else None
+        for k, m in enumerate(messages):
+            if m.role != "assistant":
+                continue
+            label = fam.generation_text(m)
+            if not label.endswith(fam.end_of_turn):
+                raise ValueError(f"family {family!r}: an assistant turn does not end with {fam.end_of_turn!r}")
+            out.append({"prompt": fam.render(messages[:k], tools, 0, True),
+                        "label": label[: -len(fam.end_of_turn)]})
+    return out
+
+
+TASKS = {"sort_digits": _sort_digits, "addition": _addition, "find_file": find_file_rows,
+         "find_file_declared": find_file_rows}
 
 
 def make_task(out_dir: str | Path, kind: str = "sort_digits", *, seed: int = 0,
               test_frac: float = 0.25) -> Path:
+    """Write the task's splits (train/test, and sft where it has one) as .jsonl under out_dir.
+
+    `kind` is a built-in name, or "module:function" for a task set kept elsewhere (the agentic
+    recipes' SWE and terminal sets): `function(seed=, test_frac=) -> {"train": rows, "test": rows,
+    "sft": rows (optional)}`, each row a dict with prompt/label/metadata, made reproducibly from
+    the seed."""
+    if ":" in kind:
+        return _write_splits(Path(out_dir), kind, seed, lambda: resolve_name(kind)(seed=seed, test_frac=test_frac))
     if kind not in TASKS:
         raise ValueError(f"data.task = {kind!r}: expected one of {sorted(TASKS)}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    marker = out / f".complete-{kind}-{seed}"
+    return _write_splits(Path(out_dir), kind, seed, lambda: _builtin_splits(kind, seed, test_frac))
+
+
+def _builtin_splits(kind: str, seed: int, test_frac: float) -> dict[str, list[dict]]:
+    if kind.startswith("find_file"):
+        train, test = find_file_rows(seed, test_frac=test_frac, declare_tools=kind == "find_file_declared")
+        sft = sft_rows(train)
+        random.Random(seed).shuffle(sft)   # the SFT source is read in file order
+        splits = {"test": test, "train": train, "sft": sft}
+    else:
+        pairs = TASKS[kind]()
+        random.Random(seed).shuffle(pairs)
+        n_test = max(1, int(len(pairs) * test_frac))
+        rows = [{"prompt": p, "label": label} for p, label in pairs]
+        splits = {"test": rows[:n_test], "train": rows[n_test:], "sft": rows[n_test:]}
+    return splits
+
+
+def _write_splits(out: Path, kind: str, seed: int, build) -> Path:
+    marker = out / f".complete-{kind.replace(':', '.')}-{seed}"
     if marker.exists():
         return out
-    pairs = TASKS[kind]()
-    random.Random(seed).shuffle(pairs)
-    n_test = max(1, int(len(pairs) * test_frac))
-    splits = {"test": pairs[:n_test], "train": pairs[n_test:], "sft": pairs[n_test:]}
-    for name, rows in splits.items():
+    out.mkdir(parents=True, exist_ok=True)
+    splits = build()
+    missing = {"train", "test"} - set(splits)
+    if missing:
+        raise ValueError(f"data.task = {kind!r}: the task set returned splits {sorted(splits)}; "
+                         f"missing {sorted(missing)}")
+    for name, split in splits.items():
         with open(out / f"{name}.jsonl", "w") as f:
-            for prompt, label in rows:
-                f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
+            for row in split:
+                f.write(json.dumps(row) + "\n")
     marker.touch()
     return out
 

@@ -320,6 +320,9 @@ class HostBackend(Backend):
             reaper.wait()
         elif record.reaper_pid and _is_reaper(record.reaper_pid, record.id):
             procs.kill_group(record.reaper_pid)
+        elif not record.reaper_pid:  # its controller died after starting it, before recording it
+            for pid in _reapers_of(record.id):
+                procs.kill_group(pid)
         await asyncio.to_thread(remove_tree, record.root)
         for path in (self._record_path(record.id), self._record_path(record.id) + ".tmp"):
             try:
@@ -373,6 +376,21 @@ class HostBackend(Backend):
 def _uid_of(sid: str) -> int | None:
     tail = sid.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else None
+
+
+def _reapers_of(sid: str) -> list[int]:
+    """Pids whose $0 is this sandbox's reaper name (an exact argv entry: sid 1 is not sid 12)."""
+    mark, out = f"miles-reaper-{sid}".encode(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
 
 
 def _is_reaper(pid: int, sid: str) -> bool:

@@ -165,9 +165,14 @@ def remove_tree(path: str) -> None:
 
     def _retry(func, p, _exc):
         # Without root a sandbox can leave 000-mode directories of its own; open them and retry.
+        # chmod follows symlinks: a link the sandbox made (to /dev/null, /etc/...) must never
+        # lend its target our privileges, so only real directories are opened up.
         try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
+            parent = os.path.dirname(p)
+            if not os.path.islink(parent):
+                os.chmod(parent, 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
         except OSError:
             pass
         try:

@@ -12,6 +12,11 @@ Design decisions:
   wait only `pipe_grace_s` for EOF, then return with what we have, so `exec` returns when the
   command does, as `docker exec` does.
 - A cancelled caller kills the process group before re-raising: an abandoned exec leaves nothing.
+- The pipes are read with `loop.add_reader` on the raw fds, and this function closes each fd exactly
+  once. `loop.connect_read_pipe` is not used: under uvloop it closes the fd in libuv *and* through
+  the file object it was given (uvloop issue #763), and between the two closes another thread can
+  be handed the same number: seen here as `shutil.rmtree` in a destroy failing with EBADF/ENOTEMPTY
+  when its directory fd was closed under it (the agentic fault test, several destroys at once).
 """
 
 from __future__ import annotations
@@ -31,9 +36,20 @@ class CappedBuffer:
         self.data = bytearray()
         self.truncated = False
 
-    async def fill(self, stream: asyncio.StreamReader) -> None:
+    async def fill(self, fd: int) -> None:
+        """Read the non-blocking pipe `fd` to EOF (the caller owns and closes the fd)."""
+        loop = asyncio.get_running_loop()
         while True:
-            chunk = await stream.read(1 << 16)
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                readable = loop.create_future()
+                loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+                try:
+                    await readable
+                finally:
+                    loop.remove_reader(fd)
+                continue
             if not chunk:
                 return
             room = self.cap - len(self.data)
@@ -66,14 +82,6 @@ class ProcResult:
         self.backstop = backstop
 
 
-async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=1 << 20)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
-    return reader, transport
-
-
 async def run_capped(spawner, argv: list[str], *, env: dict[str, str], setup,
                      deadline_s: float, max_output_bytes: int) -> ProcResult:
     """Start argv through the fork server with `setup`, wait up to `deadline_s` (the backstop),
@@ -92,14 +100,12 @@ async def run_capped(spawner, argv: list[str], *, env: dict[str, str], setup,
         os.close(out_w)
         os.close(err_w)
     out, err = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
-    transports = []
     readers = []
     backstop = False
     try:
         for fd, buf in ((out_r, out), (err_r, err)):
-            stream, transport = await _pipe_reader(fd)
-            transports.append(transport)
-            readers.append(asyncio.create_task(buf.fill(stream)))
+            os.set_blocking(fd, False)
+            readers.append(asyncio.create_task(buf.fill(fd)))
         try:
             exit_code = await asyncio.wait_for(asyncio.shield(spawner.wait(pid)), deadline_s)
         except asyncio.TimeoutError:
@@ -109,6 +115,7 @@ async def run_capped(spawner, argv: list[str], *, env: dict[str, str], setup,
         _, pending = await asyncio.wait(readers, timeout=PIPE_GRACE_S)
         for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # readers off the fds before close
     except BaseException:
         kill_group(pid)
         spawner.forget(pid)
@@ -116,7 +123,12 @@ async def run_capped(spawner, argv: list[str], *, env: dict[str, str], setup,
             task.cancel()
         raise
     finally:
-        for transport in transports:
-            transport.close()
+        for task in readers:
+            if not task.done():
+                task.cancel()
+        loop = asyncio.get_running_loop()
+        for fd in (out_r, err_r):
+            loop.remove_reader(fd)   # a cancelled reader's finally may not have run yet
+            os.close(fd)
     return ProcResult(exit_code, out.text(), err.text(), time.monotonic() - started,
                       out.truncated or err.truncated, backstop)

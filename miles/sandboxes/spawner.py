@@ -18,6 +18,8 @@ Design decisions:
   running commands; directories and reapers are left for sweep.
 - Set-up failures are written to the command's stderr behind a marker and exit 125, and the host
   backends raise them as SandboxError: an infrastructure fault never looks like a task result.
+- The spawner ignores SIGTERM/SIGINT (a node daemon's stop reaches the controller's whole process
+  group), so the controller's shutdown can still destroy its sandboxes; children get them back.
 - If the spawner dies, pending calls fail and the next call starts a fresh one.
 """
 
@@ -100,6 +102,7 @@ class Done(msgspec.Struct, tag="done"):
 Request = Union[Spawn, KillUid]
 Reply = Union[Spawned, Failed, Exited, Done]
 MAX_MSG = 1 << 20
+CALL_TIMEOUT_S = 60.0  # a fork + reply takes milliseconds; a spawner that stops answering must not hang an exec
 
 
 # Spawner side ------------------------------------------------------------------------------------
@@ -113,7 +116,8 @@ def _child(msg: Spawn, out_fd: int, err_fd: int) -> None:
         os.dup2(err_fd, 2)
         os.closerange(3, 1 << 16)
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         setup = msg.setup
         limits = msgspec.structs.asdict(setup.limits)
@@ -151,6 +155,10 @@ def serve(sock: socket.socket, parent_pid: int) -> None:
     os.set_blocking(wfd, False)
     signal.set_wakeup_fd(wfd)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # A stop signal to the controller's process group must not stop the spawner before the
+    # controller has destroyed its sandboxes through it: it goes with its controller (EOF, PDEATHSIG).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(rfd, selectors.EVENT_READ)
@@ -286,7 +294,12 @@ class SpawnerClient:
                 break
             except BlockingIOError:
                 await asyncio.sleep(0.001)
-        return await fut
+        try:
+            return await asyncio.wait_for(fut, CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self._calls.pop(req, None)
+            raise TimeoutError(f"the sandbox spawner (pid {self._proc.pid if self._proc else '?'}) did "
+                               f"not answer {type(msg_factory(req)).__name__} within {CALL_TIMEOUT_S:g} s") from None
 
     async def spawn(self, argv: list[str], env: dict[str, str], setup: Setup,
                     stdout_w: int, stderr_w: int) -> int:

@@ -12,6 +12,11 @@ Design decisions:
 - Streaming (`stream: true`, which Claude Code always uses) replays the finished turn as the
   standard event sequence: message_start, one start/delta/stop triple per content block,
   message_delta with the stop reason, message_stop.
+- `tool_choice` `auto` and `none` are honoured (`none`: tools rendered, the reply not parsed for
+  calls); `any` and a named `tool` are refused, as the engine cannot force a call. Each
+  ChatMessage keeps its `Source` (`messages[2].content[1]` for a tool_result block) so a
+  malformed history is refused at the request's own index. `count_tokens` decodes the same body
+  without `max_tokens` and answers the prompt length the turn would have.
 - Errors use Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`. As in
   Anthropic's API, `max_tokens` is required; a text block's `text` must be a string, `system`
   holds text blocks only, a tool's `input_schema` is an object, `thinking.type` is `enabled` or
@@ -25,8 +30,9 @@ import uuid
 from typing import Any
 
 from miles.tito.families.base import Reply
+from miles.tito.history import Source
 from miles.tito.messages import ChatMessage, RequestError, ToolCall, _short, check_tool_schema, text_of
-from miles.tito.request import ChatRequest, boolean, max_tokens, sampling_params
+from miles.tito.request import ChatRequest, boolean, max_tokens, sampling_params, tool_choice
 
 _NON_TEXT = ("image", "document", "search_result")
 
@@ -45,13 +51,15 @@ def _blocks(content: Any, field: str) -> list[dict]:
     return content
 
 
-def _user_messages(content: Any, field: str) -> list[ChatMessage]:
+def _user_messages(content: Any, field: str, path: str) -> tuple[list[ChatMessage], list[Source]]:
     out: list[ChatMessage] = []
+    sources: list[Source] = []
     text: list[str] = []
 
     def flush():
         if text:
             out.append(ChatMessage(role="user", content="".join(text)))
+            sources.append(Source(path))
             text.clear()
 
     for j, block in enumerate(_blocks(content, field)):
@@ -62,15 +70,16 @@ def _user_messages(content: Any, field: str) -> list[ChatMessage]:
             flush()
             out.append(ChatMessage(role="tool", content=text_of(block.get("content"), f"{field}[{j}].content"),
                                    tool_call_id=str(block.get("tool_use_id") or "")))
+            sources.append(Source(f"{field}[{j}]", f"{field}[{j}].tool_use_id"))
         else:
             raise RequestError(f"{field}[{j}].type: {kind!r} is not supported in a user turn "
                                f"(expected text or tool_result)", f"{field}[{j}].type")
     flush()
-    return out
+    return out, sources
 
 
-def _assistant_message(content: Any, field: str) -> ChatMessage:
-    text, reasoning, calls = [], None, []
+def _assistant_message(content: Any, field: str, path: str) -> tuple[ChatMessage, Source]:
+    text, reasoning, calls, call_paths = [], None, [], []
     for j, block in enumerate(_blocks(content, field)):
         kind = block["type"]
         if kind == "text":
@@ -85,10 +94,12 @@ def _assistant_message(content: Any, field: str) -> ChatMessage:
                 raise RequestError(f"{field}[{j}]: tool_use needs a string name and an object input, got "
                                    f"{_short(block)}", f"{field}[{j}]")
             calls.append(ToolCall(name=block["name"], arguments=args, id=str(block.get("id") or "")))
+            call_paths.append(f"{field}[{j}]")
         else:
             raise RequestError(f"{field}[{j}].type: {kind!r} is not supported in an assistant turn",
                                f"{field}[{j}].type")
-    return ChatMessage(role="assistant", content="".join(text), reasoning=reasoning, tool_calls=calls)
+    return (ChatMessage(role="assistant", content="".join(text), reasoning=reasoning, tool_calls=calls),
+            Source(path, call_paths=tuple(call_paths)))
 
 
 def _tools(raw: Any) -> list[dict] | None:
@@ -110,10 +121,12 @@ def _tools(raw: Any) -> list[dict] | None:
     return out
 
 
-def parse_messages_request(body: Any) -> ChatRequest:
+def parse_messages_request(body: Any, count_only: bool = False) -> ChatRequest:
+    """A `/v1/messages` body (or, `count_only`, a `count_tokens` one: no max_tokens)."""
     if not isinstance(body, dict):
         raise RequestError(f"body: expected a JSON object, got {_short(body)}", "body")
     messages: list[ChatMessage] = []
+    sources: list[Source] = []
     system = body.get("system")
     if system:
         blocks = _blocks(system, "system")
@@ -122,6 +135,7 @@ def parse_messages_request(body: Any) -> ChatRequest:
                 raise RequestError(f"system[{j}].type: {b['type']!r} is not supported (expected text)",
                                    f"system[{j}].type")
         messages.append(ChatMessage(role="system", content="\n".join(b["text"] for b in blocks)))
+        sources.append(Source("system"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise RequestError(f"messages: expected a non-empty list, got {_short(raw)}", "messages")
@@ -129,9 +143,13 @@ def parse_messages_request(body: Any) -> ChatRequest:
         field = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
         if role == "user":
-            messages += _user_messages(m.get("content"), f"{field}.content")
+            more, where = _user_messages(m.get("content"), f"{field}.content", field)
+            messages += more
+            sources += where
         elif role == "assistant":
-            messages.append(_assistant_message(m.get("content"), f"{field}.content"))
+            message, where = _assistant_message(m.get("content"), f"{field}.content", field)
+            messages.append(message)
+            sources.append(where)
         else:
             raise RequestError(f"{field}.role: {_short(role)} is not one of ['user', 'assistant']", f"{field}.role")
     options = {}
@@ -142,9 +160,11 @@ def parse_messages_request(body: Any) -> ChatRequest:
                                f"{_short(thinking)}", "thinking")
         if thinking["type"] == "disabled":
             options["enable_thinking"] = False
-    return ChatRequest(messages=messages, tools=_tools(body.get("tools")),
+    return ChatRequest(messages=messages, sources=sources, tools=_tools(body.get("tools")),
+                       tool_choice=tool_choice(body.get("tool_choice"), "tool_choice"),
                        sampling=sampling_params(body, "stop_sequences"),
-                       max_tokens=max_tokens(body, "max_tokens", required=True), stream=boolean(body, "stream"),
+                       max_tokens=max_tokens(body, "max_tokens", required=not count_only),
+                       stream=boolean(body, "stream"),
                        options=options, return_routed_experts=boolean(body, "return_routed_experts"),
                        model=str(body.get("model") or ""))
 

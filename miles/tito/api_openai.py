@@ -7,6 +7,10 @@ Design decisions:
   record are the same either way.
 - `reasoning_content` carries the parsed reasoning (SGLang's and vLLM's field name);
   `content` is null when a turn is only tool calls, as OpenAI does.
+- `logprobs` / `top_logprobs` are the engine's (top-k per position, asked of the engine only
+  when wanted); when streaming they ride on the chunk that carries the content (or the finish
+  chunk of a reply that is only tool calls). `token` is the token's decoded text and `bytes`
+  its UTF-8 bytes.
 - The extension block `miles` in each reply names the session and tree node and says how many
   tokens this turn appended, which is what the tests and debugging need.
 """
@@ -18,8 +22,13 @@ import uuid
 from typing import Any
 
 from miles.tito.families.base import Reply
+from miles.tito.history import openai_sources
 from miles.tito.messages import RequestError, _short, parse_openai_messages, parse_openai_tools
-from miles.tito.request import ChatRequest, boolean, max_tokens, number, sampling_params
+from miles.tito.request import (ChatRequest, boolean, max_tokens, number, response_format, sampling_params,
+                                tool_choice, top_logprobs)
+
+# (token text, logprob, [(alternative text, logprob), ...]) per output position
+TokenLogprobs = list[tuple[str, float, list[tuple[str, float]]]]
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -45,13 +54,20 @@ def parse_chat_request(body: Any) -> ChatRequest:
             raise RequestError(f"chat_template_kwargs.enable_thinking: expected a boolean, got "
                                f"{_short(kwargs['enable_thinking'])}", "chat_template_kwargs.enable_thinking")
         options["enable_thinking"] = kwargs["enable_thinking"]
-    return ChatRequest(messages=parse_openai_messages(body.get("messages")),
-                       tools=parse_openai_tools(body.get("tools")),
+    logprobs, top = boolean(body, "logprobs"), top_logprobs(body)
+    if top and not logprobs:
+        raise RequestError(f"top_logprobs: {top} needs \"logprobs\": true", "top_logprobs")
+    response_format(body.get("response_format"), "response_format")
+    tools = parse_openai_tools(body.get("tools"))
+    messages = parse_openai_messages(body.get("messages"))
+    return ChatRequest(messages=messages, sources=openai_sources(len(messages)), tools=tools,
+                       tool_choice=tool_choice(body.get("tool_choice"), "tool_choice"),
+                       top_logprobs=top,
                        sampling=sampling_params(body, "stop"),
                        max_tokens=max_tokens(body, "max_completion_tokens", "max_tokens"),
                        stream=boolean(body, "stream"), options=options,
                        return_routed_experts=boolean(body, "return_routed_experts"),
-                       model=str(body.get("model") or ""), logprobs=boolean(body, "logprobs"),
+                       model=str(body.get("model") or ""), logprobs=logprobs,
                        include_usage=bool(stream_options.get("include_usage")))
 
 
@@ -74,13 +90,18 @@ def reply_message(reply: Reply) -> dict[str, Any]:
     return msg
 
 
+def logprob_entries(token_logprobs: TokenLogprobs) -> list[dict[str, Any]]:
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in tops]}
+            for t, lp, tops in token_logprobs]
+
+
 def chat_response(req: ChatRequest, reply: Reply, turn: dict[str, Any],
-                  token_logprobs: list[tuple[str, float]] | None = None) -> dict[str, Any]:
+                  token_logprobs: TokenLogprobs | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "message": reply_message(reply),
                               "finish_reason": finish_reason(turn["finish_reason"], reply), "logprobs": None}
     if token_logprobs is not None:
-        choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                          for t, lp in token_logprobs]}
+        choice["logprobs"] = {"content": logprob_entries(token_logprobs), "refusal": None}
     return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
             "model": req.model or "miles", "choices": [choice],
             "usage": {"prompt_tokens": turn["prompt_tokens"], "completion_tokens": turn["completion_tokens"],
@@ -95,17 +116,22 @@ def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> list
     choice = response["choices"][0]
     msg = choice["message"]
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    logprobs = choice.get("logprobs")
+
+    def chunk(delta: dict, finish: str | None = None, with_logprobs: bool = False) -> dict:
+        c = {"index": 0, "delta": delta, "finish_reason": finish}
+        if with_logprobs and logprobs is not None:
+            c["logprobs"] = logprobs
+        return {**base, "choices": [c]}
 
     out = [chunk({"role": "assistant", "content": ""})]
     if msg.get("reasoning_content"):
         out.append(chunk({"reasoning_content": msg["reasoning_content"]}))
     if msg.get("content"):
-        out.append(chunk({"content": msg["content"]}))
+        out.append(chunk({"content": msg["content"]}, with_logprobs=True))
     for i, call in enumerate(msg.get("tool_calls") or []):
         out.append(chunk({"tool_calls": [{"index": i, **call}]}))
-    out.append(chunk({}, choice["finish_reason"]))
+    out.append(chunk({}, choice["finish_reason"], with_logprobs=not msg.get("content")))
     if include_usage:
         out.append({**base, "choices": [], "usage": response["usage"]})
     return out

@@ -85,11 +85,17 @@ class SessionServerClient:
             return obj
 
     async def create_session(self, *, rollout_id: str = "", metadata: dict | None = None,
-                             session_id: str | None = None) -> dict[str, Any]:
+                             session_id: str | None = None, return_routed_experts: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"rollout_id": rollout_id, "metadata": metadata or {}}
+        if return_routed_experts:   # every turn of the session records routing (R3)
+            body["return_routed_experts"] = True
         if session_id:
             body["session_id"] = session_id
         return await self._call("POST", "/sessions", body)
+
+    async def list_sessions(self) -> list[str]:
+        """The ids of the server's open sessions."""
+        return list((await self._call("GET", "/sessions")).get("sessions", []))
 
     async def info(self, session_id: str) -> dict[str, Any]:
         return await self._call("GET", f"/sessions/{session_id}")

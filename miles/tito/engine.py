@@ -39,12 +39,13 @@ class TurnEngine:
         await self.client.close()
 
     async def generate(self, plan: TurnPlan, sampling: dict[str, Any], stop_token_ids: list[int],
-                       routing_key: str, want_routed_experts: bool) -> EngineTurn:
+                       routing_key: str, want_routed_experts: bool, top_logprobs: int = 0) -> EngineTurn:
         params = {**sampling, "max_new_tokens": plan.max_new_tokens, "stop_token_ids": stop_token_ids}
         rid = f"tito-{routing_key}-{uuid.uuid4().hex[:12]}"
         try:
             result = await self.client.generate(
-                plan.input_ids, params, return_logprob=True, rid=rid, routing_key=routing_key,
+                plan.input_ids, params, return_logprob=True, top_logprobs_num=top_logprobs, rid=rid,
+                routing_key=routing_key,
                 session_id=routing_key,
                 return_routed_experts=want_routed_experts,
                 routed_experts_start_len=plan.routed_experts_start if want_routed_experts else 0)
@@ -66,5 +67,6 @@ class TurnEngine:
                           finish_reason=finish,
                           weight_versions=[(s.version, s.start, s.end) for s in result.weight_versions],
                           routed_experts=result.routed_experts if want_routed_experts else None,
+                          top_logprobs=result.output_top_logprobs if top_logprobs else None,
                           meta={"rid": rid, "weight_version": result.weight_version,
                                 "cached_tokens": result.cached_tokens})

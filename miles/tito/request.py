@@ -6,8 +6,16 @@ Design decisions:
 - Sampling parameters are validated here and renamed to SGLang's `sampling_params` keys
   (`max_tokens` -> `max_new_tokens`, `seed` -> `sampling_seed`, and the common extensions
   `min_tokens` -> `min_new_tokens`, `ignore_eos`, `top_k`, `min_p`): SGLang's contract gate rejects
-  unknown keys, so only keys it knows are ever sent. Unknown request fields (`model`, `user`,
-  `metadata`, `tool_choice`, ...) are ignored, as OpenAI-compatible servers do.
+  unknown keys, so only keys it knows are ever sent. Fields that only label a request (`model`,
+  `user`, `metadata`, `store`, `parallel_tool_calls`) are ignored, as OpenAI-compatible servers do.
+- Fields that would change what the model may say are honoured or refused, never ignored:
+  `logprobs` / `top_logprobs` are honoured (the engine returns a top-k per position);
+  `response_format` other than `text` and `tool_choice` `required` / a named function are refused
+  (the engine has no constrained decoding, and a prefilled tool-call opener would hide the
+  model's own choice from the trajectory). `tool_choice: none` is honoured without changing the
+  prompt: tools are still rendered (the prompt, and so the session's prefix, stays the one every
+  other turn extends) and the reply is not parsed for tool calls, so any call markup the model
+  writes anyway stays in `content`, exactly as it was generated.
 - `n` must be 1: each sample of a task is its own session (or its own request), which is what
   keeps every branch of the trajectory tree addressable.
 - Flags are JSON booleans, numbers JSON numbers: `"stream": "yes"` or `"n": true` is refused with
@@ -34,6 +42,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     model: str = ""
     logprobs: bool = False                 # OpenAI: token logprobs in the reply
     include_usage: bool = False            # OpenAI: stream_options.include_usage
+    top_logprobs: int = 0                  # alternatives per position in the reply's logprobs
+    tool_choice: str = "auto"              # "auto" | "none" (others are refused at decode)
+    sources: list[Any] = []                # history.Source per message: where it sat in the request
+    echo: dict[str, Any] = {}              # request fields an API repeats in its reply (Responses)
 
 
 def number(body: dict, name: str, lo: float | None = None, hi: float | None = None,
@@ -94,6 +106,38 @@ def sampling_params(body: dict, stop_field: str = "stop") -> dict[str, Any]:
     if stop:
         out["stop"] = stop
     return out
+
+
+MAX_TOP_LOGPROBS = 20   # OpenAI's limit; the engine allows more
+
+
+def top_logprobs(body: dict, name: str = "top_logprobs") -> int:
+    n = number(body, name, 0, MAX_TOP_LOGPROBS, integer=True)
+    return int(n or 0)
+
+
+def tool_choice(value, field: str) -> str:
+    """`auto` or `none`; `required` / `any` / a named tool are refused with the field."""
+    kind = value.get("type") if isinstance(value, dict) else value
+    if value is None or kind == "auto":
+        return "auto"
+    if kind == "none":
+        return "none"
+    if kind in ("required", "any", "function", "tool"):
+        raise RequestError(f"{field}: {_short(value)} is not supported: the engine cannot force a tool call "
+                           f"(no constrained decoding); use \"auto\" and check the reply, or \"none\"", field)
+    raise RequestError(f"{field}: {_short(value)} is not one of ['auto', 'none']", field)
+
+
+def response_format(value, field: str) -> None:
+    """Only plain text: JSON modes need constrained decoding, which the engine lacks."""
+    kind = value.get("type") if isinstance(value, dict) else value
+    if value is None or kind == "text":
+        return
+    if kind in ("json_schema", "json_object"):
+        raise RequestError(f"{field}.type: {kind!r} is not supported (the engine has no constrained "
+                           f"decoding); ask for JSON in the prompt and parse the text", f"{field}.type")
+    raise RequestError(f"{field}: {_short(value)} is not one of [{{'type': 'text'}}]", field)
 
 
 def max_tokens(body: dict, *names: str, required: bool = False) -> int | None:

@@ -1,21 +1,40 @@
 """The TITO session server: its own process, OpenAI/Anthropic-compatible per-session endpoints.
 
     python -m miles.tito.server --engine-url URL (--model-path DIR | --tokenizer SRC) \
-        --family qwen3 [--host 127.0.0.1] [--port N] [--max-context-tokens N] [--token-file PATH]
+        --family qwen3 [--host 127.0.0.1] [--port N] [--max-context-tokens N] [--token-file PATH] \
+        [--max-body-bytes N] [--tokenize-workers N]
 
-Routes: `POST /sessions` -> {session_id, base_url, openai_base_url}; `GET /sessions`;
-`GET|DELETE /sessions/{id}`; `POST /sessions/{id}/v1/chat/completions` (OpenAI);
-`POST /sessions/{id}/v1/messages` (Anthropic); `GET /sessions/{id}/v1/models`;
-`POST /sessions/{id}/samples` (collect: {keep, return_routed_experts, close}); `GET /health`;
-`GET /stats`.
+Routes: `POST /sessions` ({rollout_id, metadata, return_routed_experts: every turn records R3 routing})
+-> {session_id, base_url, openai_base_url}; `GET /sessions`;
+`GET|DELETE /sessions/{id}`; `POST /sessions/{id}/samples` (collect: {keep, return_routed_experts,
+close}); `GET /health`; `GET /stats`. Per session, under `/sessions/{id}/v1`: `POST
+chat/completions` (OpenAI), `POST responses` (OpenAI Responses, `api_responses.py`), `POST
+messages` and `POST messages/count_tokens` (Anthropic), `GET models` and `GET models/{model_id}`
+(both APIs). Any other route is a JSON 404 listing these.
 
 Design decisions:
 - A separate process with its own event loop, never the rollout actor's: tokenization is CPU
   work, and an agent harness may hold hundreds of sessions open. Turns of different sessions
-  never wait on each other (no global lock; the engine call is the only await), and renders
-  large enough to matter (first turns with long tool outputs) are tokenized in a worker thread.
-- Every error is a JSON body with the field and the value at fault (OpenAI's envelope on OpenAI
-  routes, Anthropic's on `/v1/messages`); a refused request changes nothing in any session.
+  never wait on each other (no global lock; the engine call is the only await). Renders of at
+  least `pool_tokenize_chars` characters (long tool outputs) are tokenized in a process pool
+  (`tokenize_pool.py`): the tokenizer holds the GIL, so a thread would still stall every session.
+- Bodies are refused by size (413, `max_body_bytes`, default 4 MiB) before they are read whole,
+  decoded or tokenized: from `Content-Length` when sent, else while reading.
+- Histories are checked before anything is rendered (`history.py`): a tool result that answers
+  no call, a call never answered, an assistant turn with neither content nor tool calls is a 400
+  naming the request's own index and field.
+- Every error is a JSON body with the field and the value at fault (Anthropic's envelope on the
+  Anthropic routes or when the client sends `anthropic-version`, OpenAI's otherwise); a refused
+  request changes nothing in any session. Every error carries `x-should-retry` (true only for a
+  retryable 5xx: engine unavailable, timed out or aborted), which the `openai` and `anthropic`
+  SDKs obey before their own status rules: without it they resend a failed turn twice.
+- `models/{model_id}` answers for any id: a session serves one policy under whatever name the
+  harness configured (the `model` field of a turn is echoed and otherwise ignored). The body
+  has both APIs' fields (`object`/`owned_by`/`created` and `type`/`display_name`/`created_at`).
+- Cost accounting per session (`Session.stats`: turns, engine seconds, server seconds outside
+  the engine call, prompt/output/cached tokens) for completed turns only, so a refused request
+  leaves a session's info unchanged; `GET /stats` adds the totals over all sessions and
+  `open_sessions`.
 - Collected samples are JSON with plain lists (any client can read them); routed experts travel
   as base64 int32 plus a shape, as SGLang sends them. `miles.tito.collect` turns them into wire
   `Sample`s.
@@ -35,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import hmac
 import json
 import logging
@@ -48,19 +66,28 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from miles.tito import api_anthropic, api_openai
+from miles.tito import api_anthropic, api_openai, api_responses
 from miles.tito.engine import EngineTurnError, TurnEngine
 from miles.tito.families import Family, get_family
+from miles.tito.httpio import (decode_body, error_response, json_response, model_object, sample_json,
+                               speaks_anthropic, sse)
+from miles.tito.history import ANTHROPIC, OPENAI, RESPONSES, Terms, check_history
 from miles.tito.messages import RequestError
 from miles.tito.request import ChatRequest
-from miles.tito.session import Session
+from miles.tito.session import Located, Session
+from miles.tito.tokenize_pool import TokenizePool
 from miles.tito.tokenizer import ChatTokenizer, load_tokenizer
 
 log = logging.getLogger("miles.tito.server")
-THREAD_TOKENIZE_CHARS = 32_768      # renders at least this long are tokenized off the event loop
-MAX_BODY_BYTES = 512 * 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024
 TOKEN_ENV = "MILES_SESSION_TOKEN"
 OPEN_PATHS = frozenset({"/health"})  # probes carry no credentials
+ROUTES = ["POST /sessions", "GET /sessions", "GET /sessions/{id}", "DELETE /sessions/{id}",
+          "POST /sessions/{id}/samples", "POST /sessions/{id}/v1/chat/completions",
+          "POST /sessions/{id}/v1/responses", "POST /sessions/{id}/v1/messages",
+          "POST /sessions/{id}/v1/messages/count_tokens", "GET /sessions/{id}/v1/models",
+          "GET /sessions/{id}/v1/models/{model_id}", "GET /health", "GET /stats"]
+STAT_KEYS = ("turns", "engine_s", "server_s", "prompt_tokens", "output_tokens", "cached_tokens")
 
 
 class ServerConfig(msgspec.Struct, kw_only=True):
@@ -75,6 +102,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     session_ttl_s: float = 3600.0
     routed_experts_layout: tuple[int, int] | None = None
     token: str | None = None  # None: MILES_SESSION_TOKEN if set, else open; never logged
+    max_body_bytes: int = MAX_BODY_BYTES   # larger request bodies get a 413 before they are read
+    tokenize_workers: int = 1              # processes tokenizing large renders
+    pool_tokenize_chars: int = 32_768      # renders at least this long go to those processes
 
     def __repr__(self) -> str:  # a config may be logged whole; the token must not be
         fields = {f: getattr(self, f) for f in self.__struct_fields__}
@@ -106,19 +136,27 @@ class SessionServer:
         self.sessions: dict[str, Session] = {}
         self.last_used: dict[str, float] = {}
         self.stats = {"turns": 0, "inflight": 0, "inflight_max": 0, "errors": 0, "unauthorized": 0,
-                      "prepare_ms_last": 0.0, "prepare_ms_max": 0.0, "appended_tokens_last": 0}
+                      "prepare_ms_last": 0.0, "prepare_ms_max": 0.0, "appended_tokens_last": 0,
+                      "pool_tokenized": 0}
+        self.totals = {k: 0.0 if k.endswith("_s") else 0 for k in STAT_KEYS}
+        if config.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: expected at least 1, got {config.max_body_bytes}")
+        self.pool = TokenizePool(self.tokenizer.source or config.tokenizer, config.tokenize_workers)
 
     # -- app -------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
         app.add_routes([
             web.get("/health", self.health), web.get("/stats", self.get_stats),
             web.post("/sessions", self.create), web.get("/sessions", self.list_sessions),
             web.get("/sessions/{sid}", self.get_session), web.delete("/sessions/{sid}", self.delete),
             web.post("/sessions/{sid}/v1/chat/completions", self.chat),
+            web.post("/sessions/{sid}/v1/responses", self.responses),
             web.post("/sessions/{sid}/v1/messages", self.messages),
+            web.post("/sessions/{sid}/v1/messages/count_tokens", self.count_tokens),
             web.get("/sessions/{sid}/v1/models", self.models),
+            web.get("/sessions/{sid}/v1/models/{model_id}", self.model),
             web.post("/sessions/{sid}/samples", self.collect)])
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -131,6 +169,7 @@ class SessionServer:
 
     async def _stop(self, _app) -> None:
         self._reaper.cancel()
+        self.pool.close()
         await self.engine.close()
 
     async def _reap(self) -> None:
@@ -143,22 +182,32 @@ class SessionServer:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
-        anthropic = request.path.endswith("/v1/messages")
+        anthropic = speaks_anthropic(request)
         try:
             self._authorize(request, anthropic)
             return await handler(request)
         except RequestError as e:
             self.stats["errors"] += 1
-            return _error(e.status, e.message, e.kind, e.field, anthropic, code=e.code)
+            return error_response(e.status, e.message, e.kind, e.field, anthropic, code=e.code)
         except EngineTurnError as e:
             self.stats["errors"] += 1
-            return _error(e.status, e.message, "engine_error", "", anthropic, retryable=e.retryable)
+            return error_response(e.status, e.message, "engine_error" if not anthropic else "api_error", "", anthropic,
+                          retryable=e.retryable)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:   # the router found no route
+            self.stats["errors"] += 1
+            what = "route" if e.status == 404 else "method"
+            return error_response(e.status, f"{request.method} {request.path}: unsupported {what}; this server "
+                          f"supports {ROUTES}", "not_found_error" if e.status == 404 else "invalid_request_error",
+                          "", anthropic)
+        except web.HTTPRequestEntityTooLarge:
+            self.stats["errors"] += 1
+            return error_response(413, self._too_large(None), "request_too_large", "body", anthropic)
         except web.HTTPException:
             raise
         except Exception as e:   # a bug of ours: answer 500, keep serving every other session
             self.stats["errors"] += 1
             log.exception("internal error on %s", request.path)
-            return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error", "", anthropic)
+            return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error", "", anthropic)
 
     def _authorize(self, request: web.Request, anthropic: bool) -> None:
         if self._token is None or request.path in OPEN_PATHS:
@@ -189,10 +238,12 @@ class SessionServer:
         return web.json_response({"status": "ok", "sessions": len(self.sessions), "family": self.family.name})
 
     async def get_stats(self, _request) -> web.Response:
-        return web.json_response({**self.stats, "sessions": len(self.sessions)})
+        totals = {k: round(v, 6) if isinstance(v, float) else v for k, v in self.totals.items()}
+        return web.json_response({**self.stats, "sessions": len(self.sessions),
+                                  "open_sessions": len(self.sessions), "totals": totals})
 
     async def create(self, request: web.Request) -> web.Response:
-        body = await _json(request, optional=True) or {}
+        body = await self._json(request, optional=True) or {}
         if not isinstance(body, dict):
             raise RequestError(f"body: expected a JSON object, got {str(body)[:80]!r}", "body")
         sid = body.get("session_id") or uuid.uuid4().hex
@@ -206,6 +257,9 @@ class SessionServer:
         self.sessions[sid] = Session(sid, self.family, self.tokenizer, rollout_id=str(body.get("rollout_id") or ""),
                                      matcher=self.config.message_matcher,
                                      max_context_tokens=self.config.max_context_tokens, metadata=metadata)
+        # R3: the trainer side asks for routing when it creates the session; the agent's own
+        # OpenAI requests know nothing of it, yet every turn must record its routing.
+        self.sessions[sid].record_routing = body.get("return_routed_experts") is True
         self.last_used[sid] = time.monotonic()
         base = f"{request.url.origin()}/sessions/{sid}"
         return web.json_response({"session_id": sid, "rollout_id": self.sessions[sid].rollout_id,
@@ -225,136 +279,148 @@ class SessionServer:
 
     async def models(self, request: web.Request) -> web.Response:
         self._session(request)
-        return web.json_response({"object": "list", "data": [{"id": "miles", "object": "model", "owned_by": "miles"}]})
+        model = model_object("miles")
+        return web.json_response({"object": "list", "data": [model], "has_more": False,
+                                  "first_id": model["id"], "last_id": model["id"]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._session(request)
+        return web.json_response(model_object(request.match_info["model_id"]))
 
     # -- a turn -----------------------------------------------------------------------------
 
-    async def run_turn(self, session: Session, req: ChatRequest):
+    async def _locate(self, session: Session, req: ChatRequest, terms: Terms) -> tuple[Located, Any]:
+        """Find the recorded prefix, check the history, render and tokenize what is new."""
+        loc = session.locate(req.messages, req.tools, req.options,
+                             check=lambda known: check_history(req.messages, req.sources, terms, known))
+        if loc.existing is None and len(loc.text) >= self.config.pool_tokenize_chars:
+            self.stats["pool_tokenized"] += 1
+            return loc, await self.pool.encode(loc.text)
+        return loc, session.tokenize(loc)
+
+    async def run_turn(self, session: Session, req: ChatRequest, terms: Terms = OPENAI):
         t0 = time.perf_counter()
-        loc = session.locate(req.messages, req.tools, req.options)
-        if len(loc.text) >= THREAD_TOKENIZE_CHARS:
-            ids = await asyncio.to_thread(session.tokenize, loc)
-        else:
-            ids = session.tokenize(loc)
-        plan = session.commit_prompt(loc, ids, req.max_tokens, req.return_routed_experts, req.options)
+        loc, ids = await self._locate(session, req, terms)
+        want_routing = req.return_routed_experts or session.record_routing
+        plan = session.commit_prompt(loc, ids, req.max_tokens, want_routing, req.options)
         prepare_ms = (time.perf_counter() - t0) * 1e3
         self.stats["prepare_ms_last"] = prepare_ms
         self.stats["prepare_ms_max"] = max(self.stats["prepare_ms_max"], prepare_ms)
         self.stats["appended_tokens_last"] = plan.appended_tokens
         self.stats["inflight"] += 1
         self.stats["inflight_max"] = max(self.stats["inflight_max"], self.stats["inflight"])
+        t_engine = time.perf_counter()
         try:
             out = await self.engine.generate(plan, req.sampling, self.stop_token_ids, session.id,
-                                             req.return_routed_experts)
+                                             want_routing, top_logprobs=req.top_logprobs)
         except BaseException:
             session.abandon(plan)
             raise
         finally:
             self.stats["inflight"] -= 1
-        node, reply = session.complete(plan, out)
+        engine_s = time.perf_counter() - t_engine
+        node, reply = session.complete(plan, out, parse_tools=req.tool_choice != "none")
+        session.stats["engine_s"] += engine_s
         self.stats["turns"] += 1
+        self.totals["turns"] += 1
+        for k in ("prompt_tokens", "output_tokens", "cached_tokens"):
+            self.totals[k] += {"prompt_tokens": len(plan.input_ids), "output_tokens": len(out.output_ids),
+                               "cached_tokens": int(out.meta.get("cached_tokens") or 0)}[k]
+        self.totals["engine_s"] += engine_s
         turn = {"session_id": session.id, "node": node.id, "prompt_tokens": len(plan.input_ids),
                 "completion_tokens": len(out.output_ids), "appended_tokens": plan.appended_tokens,
                 "reused_prompt": plan.reused_prompt, "prepare_ms": round(prepare_ms, 3),
-                "finish_reason": node.finish, "weight_version": out.meta.get("weight_version", "")}
+                "finish_reason": node.finish, "weight_version": out.meta.get("weight_version", ""),
+                "cached_tokens": int(out.meta.get("cached_tokens") or 0), "engine_s": engine_s}
         return reply, turn, out
 
+    def _account(self, session: Session, t0: float, turn: dict[str, Any]) -> None:
+        """Server time of a completed turn: the handler's wall time outside the engine call."""
+        server_s = max(0.0, time.perf_counter() - t0 - turn["engine_s"])
+        session.stats["server_s"] += server_s
+        self.totals["server_s"] += server_s
+
+    def _token_logprobs(self, out) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        text = self.tokenizer.decode
+        tops = out.top_logprobs or [[] for _ in out.output_ids]
+        return [(text([t]), lp, [(text([i]), a) for a, i in alts])
+                for t, lp, alts in zip(out.output_ids, out.logprobs, tops)]
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
         session = self._session(request)
-        body = await _json(request)
-        req = api_openai.parse_chat_request(body)
-        reply, turn, out = await self.run_turn(session, req)
-        token_logprobs = None
-        if req.logprobs:
-            token_logprobs = [(self.tokenizer.id_to_token(t) or "", lp) for t, lp in zip(out.output_ids, out.logprobs)]
+        req = api_openai.parse_chat_request(await self._json(request))
+        reply, turn, out = await self.run_turn(session, req, OPENAI)
+        token_logprobs = self._token_logprobs(out) if req.logprobs else None
         response = api_openai.chat_response(req, reply, turn, token_logprobs)
         if not req.stream:
-            return _json_response(response)
-        return await _sse(request, [(None, c) for c in api_openai.stream_chunks(response, req.include_usage)],
-                          done=True)
+            resp = json_response(response)
+        else:
+            resp = await sse(request, [(None, c) for c in api_openai.stream_chunks(response, req.include_usage)],
+                              done=True)
+        self._account(session, t0, turn)
+        return resp
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        session = self._session(request)
+        req = api_responses.parse_request(await self._json(request))
+        reply, turn, out = await self.run_turn(session, req, RESPONSES)
+        logprobs = api_openai.logprob_entries(self._token_logprobs(out)) if req.logprobs else None
+        response = api_responses.response_object(req, reply, turn, logprobs)
+        resp = (await sse(request, api_responses.stream_events(response), done=False) if req.stream
+                else json_response(response))
+        self._account(session, t0, turn)
+        return resp
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
         session = self._session(request)
-        req = api_anthropic.parse_messages_request(await _json(request))
-        reply, turn, _ = await self.run_turn(session, req)
+        req = api_anthropic.parse_messages_request(await self._json(request))
+        reply, turn, _ = await self.run_turn(session, req, ANTHROPIC)
         response = api_anthropic.message_response(req, reply, turn)
-        if not req.stream:
-            return _json_response(response)
-        return await _sse(request, api_anthropic.stream_events(response), done=False)
+        resp = (await sse(request, api_anthropic.stream_events(response), done=False) if req.stream
+                else json_response(response))
+        self._account(session, t0, turn)
+        return resp
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's count_tokens: the prompt length this turn would have, nothing committed."""
+        session = self._session(request)
+        req = api_anthropic.parse_messages_request(await self._json(request), count_only=True)
+        loc, ids = await self._locate(session, req, ANTHROPIC)
+        return web.json_response({"input_tokens": session.prompt_tokens(loc, ids)})
 
     # -- collection -------------------------------------------------------------------------
 
     async def collect(self, request: web.Request) -> web.Response:
         session = self._session(request)
-        body = await _json(request, optional=True) or {}
+        body = await self._json(request, optional=True) or {}
         if not isinstance(body, dict):
             raise RequestError(f"body: expected a JSON object, got {str(body)[:80]!r}", "body")
         keep = body.get("keep", "drop_retries")
         if keep not in ("all", "drop_retries"):
             raise RequestError(f"keep: {keep!r} is not one of ['all', 'drop_retries']", "keep")
-        samples = [_sample_json(s) for s in session.collect(keep, bool(body.get("return_routed_experts")))]
+        samples = [sample_json(s) for s in session.collect(keep, bool(body.get("return_routed_experts")))]
         if body.get("close"):
             self.sessions.pop(session.id, None)
             self.last_used.pop(session.id, None)
-        return _json_response({"session_id": session.id, "rollout_id": session.rollout_id,
+        return json_response({"session_id": session.id, "rollout_id": session.rollout_id,
                                "metadata": session.metadata, "samples": samples})
 
+    # -- bodies ---------------------------------------------------------------------------------
 
-def _sample_json(s: dict[str, Any]) -> dict[str, Any]:
-    out = {"tokens": s["tokens"].tolist(), "response_length": int(s["response_length"]),
-           "loss_mask": s["loss_mask"].tolist(), "rollout_logprobs": s["rollout_logprobs"].tolist(),
-           "weight_versions": s["weight_versions"], "status": s["status"], "rollout_id": s["rollout_id"],
-           "response": s["response"], "metadata": {"leaf": s["leaf"], "turns": s["turns"],
-                                                   "finish_reason": s["finish_reason"]}}
-    routed = s.get("routed_experts")
-    if routed is not None:
-        arr = routed.astype("<i4", copy=False)
-        out["routed_experts"] = base64.b64encode(arr.tobytes()).decode()
-        out["routed_experts_shape"] = list(arr.shape)
-    elif s.get("routed_experts_missing"):
-        out["metadata"]["routed_experts_missing"] = s["routed_experts_missing"]
-    return out
+    def _too_large(self, size: int | None) -> str:
+        got = f"{size} bytes" if size is not None else "the body"
+        return (f"body: {got} is over the limit of {self.config.max_body_bytes} bytes (--max-body-bytes); "
+                f"shorten the history or the tool output")
 
-
-async def _json(request: web.Request, optional: bool = False) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        if optional:
-            return None
-        raise RequestError("body: empty; expected a JSON object", "body")
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise RequestError(f"body: invalid JSON ({e})", "body") from None
-
-
-def _json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
-
-
-def _error(status: int, message: str, kind: str, field: str, anthropic: bool, retryable: bool = False,
-           code: str | None = None) -> web.Response:
-    if anthropic:
-        body = {"type": "error", "error": {"type": kind, "message": message}}
-    else:
-        body = {"error": {"message": message, "type": kind, "param": field or None, "code": code or status,
-                          "retryable": retryable}}
-    resp = _json_response(body, status)
-    if status == 401:
-        resp.headers["WWW-Authenticate"] = "Bearer"
-    return resp
-
-
-async def _sse(request: web.Request, events: list[tuple[str | None, dict]], done: bool) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    for name, data in events:
-        prefix = f"event: {name}\n" if name else ""
-        await resp.write(f"{prefix}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
-    if done:
-        await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+    async def _json(self, request: web.Request, optional: bool = False) -> Any:
+        """The body decoded, refused by size first (`Content-Length`, else while reading)."""
+        size = request.content_length
+        if size is not None and size > self.config.max_body_bytes:
+            raise RequestError(self._too_large(size), "body", status=413, kind="request_too_large")
+        return decode_body(await request.read(), optional)
 
 
 def _model_defaults(model_path: str | None) -> tuple[int | None, tuple[int, int] | None]:
@@ -383,6 +449,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--message-matcher", default="default", help="default | strict | role_content | module:function")
     ap.add_argument("--engine-timeout-s", type=float, default=600.0)
     ap.add_argument("--session-ttl-s", type=float, default=3600.0)
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                    help="larger request bodies are refused with 413 before they are read (default 4 MiB)")
+    ap.add_argument("--tokenize-workers", type=int, default=1,
+                    help="processes that tokenize large renders, off the event loop")
     ap.add_argument("--token-file", default=None,
                     help=f"a file holding the per-job token the endpoints require (default: ${TOKEN_ENV}; "
                          "neither: open). Not a flag value: argv is visible to every user")
@@ -404,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(engine_url=args.engine_url, tokenizer=tokenizer, family=args.family, host=args.host,
                           port=args.port, max_context_tokens=args.max_context_tokens or context or 32768,
                           message_matcher=args.message_matcher, engine_timeout_s=args.engine_timeout_s,
-                          session_ttl_s=args.session_ttl_s, routed_experts_layout=layout, token=token)
+                          session_ttl_s=args.session_ttl_s, routed_experts_layout=layout, token=token,
+                          max_body_bytes=args.max_body_bytes, tokenize_workers=args.tokenize_workers)
     server = SessionServer(config)
     try:
         import uvloop

@@ -14,11 +14,14 @@ Design decisions:
   session exactly as it was. `max_tokens` beyond the remaining context is clipped, not refused.
 - The reply is parsed from the engine's output ids (decoded with special tokens kept); the stored
   ids are the engine's, never a re-tokenization of that text.
+- `stats` (turns, engine and server seconds, prompt/output/cached tokens) is the session's cost
+  account; every collected sample carries it as `session_stats`, for the rollout's metrics.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -58,6 +61,7 @@ class EngineTurn(msgspec.Struct, kw_only=True):
     weight_versions: list[tuple[str, int, int]] = []   # (version, start, end) over output_ids
     routed_experts: Any = None                         # np.ndarray (rows, layers, top_k) or None
     meta: dict[str, Any] = {}
+    top_logprobs: list[list[tuple[float, int]]] | None = None   # (logprob, id) alternatives per position
 
 
 class Session:
@@ -71,16 +75,20 @@ class Session:
         self.key = get_matcher(matcher)
         self.max_context_tokens = max_context_tokens
         self.metadata = dict(metadata or {})
+        self.record_routing = False      # every turn records routed experts (R3), set at creation
         self.tree = TrajectoryTree()
         self.created_s = time.time()
         self.turns = 0
+        self.stats: dict[str, Any] = {"turns": 0, "engine_s": 0.0, "server_s": 0.0, "prompt_tokens": 0,
+                                      "output_tokens": 0, "cached_tokens": 0}
         self._last_path: tuple[Node | None, list[int]] = (None, [])   # newest checkpoint's ids as a list
         self.stop_ids = {tokenizer.token_id(t) for t in family.stop_tokens if t in tokenizer.added_ids}
 
     # -- a turn ------------------------------------------------------------------------------
 
     def locate(self, messages: list[ChatMessage], tools: list[dict] | None,
-               options: dict[str, Any] | None = None) -> Located:
+               options: dict[str, Any] | None = None, check: Callable[[int], None] | None = None) -> Located:
+        """`check(start)` runs once the recorded prefix is known and before anything is rendered."""
         hashes = chain(messages, tools, self.key)
         attach, start = self.tree.root, 0
         for i in range(len(messages), 0, -1):
@@ -88,6 +96,8 @@ class Session:
             if node is not None:
                 attach, start = node, i
                 break
+        if check is not None:
+            check(start)
         options = dict(options or {})
         prompt_key = hashes[-1] + msgspec.json.encode(sorted(options.items()))
         loc = Located(attach=attach, start=start, prompt_key=prompt_key, n_messages=len(messages),
@@ -99,6 +109,11 @@ class Session:
                 raise RequestError(f"messages: {e}", "messages") from None
             loc.text = attach.bridge + body
         return loc
+
+    def prompt_tokens(self, loc: Located, ids: np.ndarray | None) -> int:
+        """The prompt length a turn at `loc` would have (count_tokens), without committing anything."""
+        prompt = loc.existing or loc.attach.prompt_children.get(loc.prompt_key)
+        return loc.attach.path_len + (len(prompt.ids) if prompt is not None else len(ids))
 
     def tokenize(self, loc: Located) -> np.ndarray | None:
         return None if loc.existing is not None else np.asarray(self.tokenizer.encode(loc.text), np.int32)
@@ -135,7 +150,7 @@ class Session:
         loc = self.locate(messages, tools, options)
         return self.commit_prompt(loc, self.tokenize(loc), max_tokens, want_routed_experts, options)
 
-    def complete(self, plan: TurnPlan, out: EngineTurn) -> tuple[Node, Reply]:
+    def complete(self, plan: TurnPlan, out: EngineTurn, parse_tools: bool = True) -> tuple[Node, Reply]:
         prompt: Node = plan.prompt
         prompt.inflight -= 1
         ids = np.asarray(out.output_ids, np.int32)
@@ -148,7 +163,7 @@ class Session:
         matched = (out.finish_reason or {}).get("matched")
         if isinstance(matched, str) and matched and matched in text:
             text = text[: text.index(matched)]   # the client sees text up to the stop string
-        reply = self.family.parse_reply(text)
+        reply = self.family.parse_reply(text) if parse_tools else self.family.parse_reply_without_tools(text)
         if plan.options.get("enable_thinking") is False and reply.reasoning is None:
             reply.reasoning = ""             # the generation prompt held an empty think block
         message = reply.to_message()
@@ -165,6 +180,10 @@ class Session:
         node.meta = dict(out.meta)
         self._last_path = (node, plan.input_ids + list(out.output_ids))
         self.turns += 1
+        self.stats["turns"] = self.turns
+        self.stats["prompt_tokens"] += len(plan.input_ids)
+        self.stats["output_tokens"] += len(out.output_ids)
+        self.stats["cached_tokens"] += int(out.meta.get("cached_tokens") or 0)
         return node, reply
 
     def abandon(self, plan: TurnPlan) -> None:
@@ -182,10 +201,15 @@ class Session:
             sample["status"] = {"length": "truncated", "abort": "aborted"}.get(finish, "completed")
             sample["rollout_id"] = self.rollout_id
             sample["leaf"] = leaf.id
+            sample["session_stats"] = self.session_stats()
             tokens = sample["tokens"]
             sample["response"] = self.tokenizer.decode(tokens[len(tokens) - sample["response_length"]:])
             out.append(sample)
         return out
+
+    def session_stats(self) -> dict[str, Any]:
+        return {**self.stats, "engine_s": round(self.stats["engine_s"], 6),
+                "server_s": round(self.stats["server_s"], 6)}
 
     def info(self) -> dict[str, Any]:
         leaves = self.tree.leaves("all")
@@ -193,4 +217,4 @@ class Session:
                 "turns": self.turns, "nodes": self.tree.n_nodes, "leaves": len(leaves),
                 "checkpoints": len(self.tree.checkpoints),
                 "max_tokens_in_path": max((n.path_len for n in leaves), default=0),
-                "created_s": self.created_s, "metadata": self.metadata}
+                "created_s": self.created_s, "metadata": self.metadata, "stats": self.session_stats()}

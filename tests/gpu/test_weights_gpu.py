@@ -74,6 +74,10 @@ async def test_colocated_cuda_ipc_from_the_fsdp_backend(tmp_path):
         for version in (1, 2):
             report = await publisher.publish(version, lambda v=version: backend.update_weights(transport, v))
             assert report.checked and report.buckets >= 2
+            m = report.metrics()  # stall time: the parts add up, the load tail is measured
+            assert m["weights/stall_s"] == pytest.approx(sum(m[f"weights/{k}_s"] for k in (
+                "pause", "transfer", "load", "version", "resume")))
+            assert m["weights/load_s"] > 0
             await asyncio.to_thread(backend.train, make_samples(groups=2, per_group=2, seed=8))
         async with EngineClient(engine.url) as c:
             assert (await c.model_info())["weight_version"] == "2"
@@ -139,6 +143,8 @@ async def test_disk_delta_into_a_cuda_engine(tmp_path):
         assert first.checked and second.checked
         assert transport.last_manifest.base_version == 1
         assert second.payload_bytes < first.payload_bytes
+        # staged on the GPU (it has room): apply's pause is a device-to-device copy
+        assert "staged on cuda:0" in (tmp_path / "engine.log").read_text()
         await publisher.close()
         transport.close()
     finally:

@@ -183,3 +183,18 @@ def test_a_killed_buffer_and_rollout_come_back_and_the_run_completes(tmp_path):
     assert "[buffer] restored from" in log and "resumes from the buffer's journal" in log, log[-4000:]
     train = records(out, "train")
     assert [r["step"] for r in train] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_a_batch_the_filter_starves_ends_the_run_saying_so(tmp_path):
+    """Dynamic sampling that drops every group (all rewards equal) cannot fill a batch: the run ends
+    at loop.timeout_s with the filter named and its counts, and says so while it waits."""
+    import miles.loop
+    code, log, _ = run_recipe(tmp_path, "starved", ['rollout.reward="user_plugins:zero_reward"',
+                                                    'buffer.filter="nonzero_std"', "loop.timeout_s=75",
+                                                    'eval.mode="off"', "sft.steps=0", "loop.num_steps=3"],
+                              timeout_s=400)
+    assert code != 0, log[-3000:]
+    assert miles.loop.FILTER_WARN_S < 75
+    assert "still waiting for a batch: buffer.filter = 'nonzero_std' dropped" in log, log[-3000:]
+    assert "no batch of" in log and "within loop.timeout_s = 75.0 s: buffer.filter = 'nonzero_std' dropped" in log, log[-3000:]

@@ -12,6 +12,7 @@ from test_loop import ROOT, run_recipe
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(700)   # a run and a replay, each with its own deadline
 def test_a_recorded_step_replays_bit_for_bit_on_cpu(tmp_path):
     code, log, out = run_recipe(tmp_path, "rec", [
         "loop.num_steps=4", "loop.eval_every=0", "loop.save_every=0", "sft.steps=20",

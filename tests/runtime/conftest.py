@@ -45,3 +45,39 @@ def node_launcher(tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, 9)
             p.wait()
+
+
+def start_daemon(recipe: Path, rank: int, nnodes: int, port: int, log: Path, overrides=()):
+    """One node daemon started the way `srun launch/miles.sh` starts it on a cluster node: the
+    launch script, NODE_RANK / NNODES / MASTER_ADDR, the recipe and its `--set` overrides. The
+    nodes are simulated on loopback, so each advertises 127.0.0.1 (the script's default is the
+    host name)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MILES_")) and k not in ("NODE_RANK", "NNODES", "MASTER_ADDR")}
+    env.update(NODE_RANK=str(rank), NNODES=str(nnodes), MASTER_ADDR="127.0.0.1",
+               MILES_HOST="127.0.0.1", MILES_PYTHON=sys.executable)
+    args = ["bash", str(ROOT / "launch" / "miles.sh"), str(recipe), "--set", f"cluster.head_port={port}"]
+    for o in overrides:
+        args += ["--set", o]
+    return subprocess.Popen(args, env=env, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.fixture
+def cluster_launcher(tmp_path):
+    """Start `nnodes` daemons of one recipe file; calling it again with the same arguments is
+    "the same command again" (same port, same run directory, logs appended)."""
+    procs = []
+    port = free_port()
+
+    def launch(recipe: Path, nnodes: int = 2, overrides=()):
+        started = [start_daemon(recipe, r, nnodes, port, tmp_path / f"node{r}.log", overrides)
+                   for r in range(nnodes)]
+        procs.extend(started)
+        return started, [tmp_path / f"node{r}.log" for r in range(nnodes)]
+
+    yield launch
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from miles.engines.procs import free_port
@@ -172,3 +173,112 @@ async def tito_server():
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+# -- a shared stack for the SDK tests (tests/tito/test_sdk_*.py) -------------------------------------
+
+class RecordingEngineProxy:
+    """Forwards everything to one real engine and records each `/generate` body and answer."""
+
+    def __init__(self, engine_url: str):
+        self.engine_url, self.url = engine_url, ""
+        self.generates: list[tuple[dict, dict]] = []
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        import json
+        body = await request.read()
+        async with self.http.request(request.method, self.engine_url + request.path_qs, data=body or None,
+                                     headers={"Content-Type": "application/json"} if body else None) as r:
+            raw = await r.read()
+            if request.path == "/generate" and r.status == 200:
+                self.generates.append((json.loads(body), json.loads(raw)))
+            return web.Response(body=raw, status=r.status, content_type=r.content_type)
+
+    def for_session(self, session_id: str) -> list[tuple[dict, dict]]:
+        return [g for g in self.generates if g[0]["rid"].startswith(f"tito-{session_id}-")]
+
+    async def start(self) -> "RecordingEngineProxy":
+        import aiohttp
+        self.http = aiohttp.ClientSession()
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        await self.http.close()
+
+
+@dataclass
+class SdkStack:
+    """Two in-process session servers: `real` in front of an embedded engine (behind a recording
+    proxy), `scripted` in front of the scripted engine (exact tool calls and reasoning)."""
+    real_url: str
+    real: Any                      # SessionServer
+    proxy: RecordingEngineProxy
+    scripted_url: str
+    scripted: Any                  # SessionServer
+    engine: ScriptedEngine
+    token: str = "sdk-test-token"
+
+    async def session(self, which: str = "scripted") -> dict[str, Any]:
+        import aiohttp
+        url = self.scripted_url if which == "scripted" else self.real_url
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"}) as http:
+            async with http.post(f"{url}/sessions", json={}) as r:
+                assert r.status == 201, await r.text()
+                return await r.json()
+
+    async def info(self, which: str, session_id: str) -> dict[str, Any]:
+        import aiohttp
+        url = self.scripted_url if which == "scripted" else self.real_url
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"}) as http:
+            async with http.get(f"{url}/sessions/{session_id}") as r:
+                return await r.json()
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def sdk_stack(tiny_tokenizer, tiny_tokenizer_dir, tmp_path_factory):
+    """Started once for all SDK test modules (they run on the session-scoped event loop)."""
+    from miles.engines.embedded import launch_embedded_engine
+    from miles.tiny import build_tiny_model
+    from miles.tito.server import ServerConfig, SessionServer
+    model = build_tiny_model()
+    logs = tmp_path_factory.mktemp("sdk-logs")
+    real_engine = await launch_embedded_engine(model, extra_args=["--torch-threads", "1"],
+                                               log_path=logs / "engine.log")
+    proxy = await RecordingEngineProxy(real_engine.url).start()
+    engine = ScriptedEngine(tokenizer=tiny_tokenizer)
+    runners = []
+    try:
+        runner, engine.url = await _serve(_scripted_app(engine))
+        runners.append(runner)
+        token = SdkStack.token
+        real = SessionServer(ServerConfig(engine_url=proxy.url, tokenizer=str(model), token=token,
+                                          max_context_tokens=4096))
+        runner, real_url = await _serve(real.app())
+        runners.append(runner)
+        scripted = SessionServer(ServerConfig(engine_url=engine.url, tokenizer=str(tiny_tokenizer_dir), token=token,
+                                              max_context_tokens=1 << 22, pool_tokenize_chars=32_768))
+        runner, scripted_url = await _serve(scripted.app())
+        runners.append(runner)
+        yield SdkStack(real_url=real_url, real=real, proxy=proxy, scripted_url=scripted_url, scripted=scripted,
+                       engine=engine)
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        await proxy.stop()
+        await real_engine.stop_async(grace_s=5)

@@ -58,3 +58,10 @@ class Family:
 
     def parse_reply(self, text: str) -> Reply:
         raise NotImplementedError
+
+    def parse_reply_without_tools(self, text: str) -> Reply:
+        """The reply of a `tool_choice: none` turn: call markup stays content, as generated. The
+        default keeps the whole text as content whenever `parse_reply` found calls; families with a
+        reasoning channel override it to keep reasoning split out."""
+        reply = self.parse_reply(text)
+        return Reply(content=text) if reply.tool_calls else reply

@@ -174,7 +174,7 @@ class Qwen3Family(Family):
             text += '<tool_call>\n{"name": "' + call.name + '", "arguments": ' + call.arguments_json() + "}\n</tool_call>"
         return text + self.end_of_turn
 
-    def parse_reply(self, text: str) -> Reply:
+    def parse_reply(self, text: str, tools: bool = True) -> Reply:
         reasoning = None
         content = text
         if "</think>" in text:
@@ -184,10 +184,13 @@ class Qwen3Family(Family):
         elif "<think>" in text:  # cut off while thinking
             reasoning = text.split("<think>", 1)[1].strip("\n")
             content = ""
-        calls, head = _parse_tool_calls(content)
+        calls, head = _parse_tool_calls(content) if tools else (None, content)
         if calls is None:
             return Reply(content=content, reasoning=reasoning)
         return Reply(content=head, reasoning=reasoning, tool_calls=calls)
+
+    def parse_reply_without_tools(self, text: str) -> Reply:
+        return self.parse_reply(text, tools=False)
 
 
 def _parse_tool_calls(content: str) -> tuple[list[ToolCall] | None, str]:

@@ -39,3 +39,8 @@ def make_source(recipe):
 class DropOdd(BufferPolicy):
     def on_put(self, group):
         return Decision("drop", "odd prompt") if group.prompt_index % 2 else Decision("keep")
+
+
+def zero_reward(sample) -> float:
+    """Every sample fails: with buffer.filter = "nonzero_std" no group is ever kept."""
+    return 0.0

@@ -1,0 +1,127 @@
+"""`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR`: looking at a job from outside.
+
+    miles dashboard runs/quickstart [--port 8265]   the dashboard of a run, live or finished, from its files
+    miles status runs/quickstart                    actors, nodes, incarnations, restarts, loop lag (live run)
+    miles logs runs/quickstart trainer/0 [-n 50] [-f]
+
+Design decisions:
+- A run directory is the handle: everything is found from it. A live job's head writes its
+  dashboard URL to `<run>/metrics_url.node0`; `status` asks that endpoint (`/api/actors`), so it
+  needs no ZeroMQ keys and works from any machine that reaches the head over HTTP.
+- `dashboard` serves the same page as the live head, from `metrics.jsonl` and `logs/`, so a
+  finished (or copied) run looks the same as a live one; actors are then listed from their logs.
+- `logs` reads `<run>/logs/<actor>.log` (`/` in a name is `_` in the file, as the daemon writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def _run_dir(path: str) -> Path:
+    run = Path(path)
+    if not (run / "metrics.jsonl").exists() and not (run / "logs").is_dir():
+        raise SystemExit(f"miles: {path}: not a run directory (no metrics.jsonl, no logs/)")
+    return run
+
+
+def live_url(run: Path) -> str | None:
+    marker = run / "metrics_url.node0"
+    return marker.read_text().strip() if marker.exists() else None
+
+
+def _logged_actors(run: Path) -> list[dict]:
+    return [{"name": p.stem.replace("_", "/", 1) if p.stem.startswith(("trainer_", "node_")) else p.stem,
+             "up": False, "state": "finished"} for p in sorted((run / "logs").glob("*.log"))]
+
+
+def dashboard(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="miles dashboard")
+    p.add_argument("run")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8265)
+    args = p.parse_args(argv)
+    run = _run_dir(args.run)
+    from miles.observe import make_app, serve
+
+    async def main() -> None:
+        app = make_app(run, actors_fn=lambda: _logged_actors(run))
+        runner = await serve(app, args.host, args.port)
+        print(f"dashboard of {run} at http://{args.host}:{args.port}/ (Ctrl-C stops it)", flush=True)
+        if url := live_url(run):
+            print(f"the job's head serves it live at {url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def status(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="miles status")
+    p.add_argument("run")
+    p.add_argument("--timeout", type=float, default=5.0)
+    args = p.parse_args(argv)
+    run = _run_dir(args.run)
+    url = live_url(run)
+    if url is None:
+        print(f"miles: {run}: no live job (no metrics_url.node0; logging.metrics_port = -1?)", file=sys.stderr)
+        return 1
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/api/actors", timeout=args.timeout) as r:
+            actors = json.loads(r.read())
+    except OSError as e:
+        print(f"miles: {run}: the head at {url} did not answer within {args.timeout}s ({e}); "
+              f"the job has probably ended", file=sys.stderr)
+        return 1
+    print(f"{'actor':<16} {'node':>4} {'state':<8} {'incarnation':>11} {'restarts':>8} {'loop lag':>9} {'heartbeat':>9}")
+    for a in actors:
+        lag = f"{a['loop_lag_ms']:.1f}ms" if "loop_lag_ms" in a else "-"
+        beat = f"{a['heartbeat_age_s']:.1f}s" if "heartbeat_age_s" in a else "-"
+        print(f"{a['name']:<16} {a.get('node', '-'):>4} {a.get('state', 'up' if a.get('up') else 'down'):<8} "
+              f"{a.get('incarnation', '-'):>11} {a.get('restarts', '-'):>8} {lag:>9} {beat:>9}")
+    return 0
+
+
+def logs(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="miles logs")
+    p.add_argument("run")
+    p.add_argument("actor", help="an actor name: driver, rollout, trainer/0, engines, ...")
+    p.add_argument("-n", type=int, default=50, help="last N lines (default 50)")
+    p.add_argument("-f", "--follow", action="store_true")
+    args = p.parse_args(argv)
+    run = _run_dir(args.run)
+    path = run / "logs" / f"{args.actor.replace('/', '_')}.log"
+    if not path.exists():
+        names = sorted(q.stem for q in (run / "logs").glob("*.log"))
+        print(f"miles: {args.actor}: no log {path}; actors with logs: {', '.join(names)}", file=sys.stderr)
+        return 1
+    with open(path, "rb") as f:
+        lines = f.read().decode(errors="replace").splitlines()
+        sys.stdout.write("".join(line + "\n" for line in lines[-args.n:]))
+        sys.stdout.flush()
+        try:
+            while args.follow:
+                chunk = f.read()
+                if chunk:
+                    sys.stdout.write(chunk.decode(errors="replace"))
+                    sys.stdout.flush()
+                else:
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+COMMANDS = {"dashboard": dashboard, "status": status, "logs": logs}

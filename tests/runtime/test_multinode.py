@@ -1,0 +1,305 @@
+"""The RL loop on two node daemons on loopback, started as `srun launch/miles.sh` starts them:
+trainer ranks in one gloo group over both nodes, one engine fleet per node, the gateway on the
+head. Then losing a node: kill -9 of node 1's daemon stops the job with a named error and no
+orphans, and the same command resumes from the newest checkpoint; kill -9 of the head stops
+node 1 within `cluster.node_timeout_s`."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "quickstart_2node.toml"
+NODE_TIMEOUT_S = 10.0
+
+
+def _common(tmp_path, name):
+    return [f"run.output_dir={json.dumps(str(tmp_path / name))}", "logging.progress=false",
+            f"cluster.node_timeout_s={NODE_TIMEOUT_S}"]
+
+
+def _records(out: Path, kind: str) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if f'"kind": "{kind}"' in line]
+
+
+def _actors_of(pid: int) -> dict[str, int]:
+    """Actor name -> pid of the actor processes a daemon started."""
+    found = {}
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for child in children:
+        try:
+            name = child.environ().get("MILES_ACTOR_NAME")
+        except psutil.Error:
+            continue
+        if name:
+            found[name] = child.pid
+    return found
+
+
+def _tree(pid: int) -> set[int]:
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _wait(procs, timeout_s: float, what: str) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        left = deadline - time.monotonic()
+        try:
+            p.wait(max(0.1, left))
+        except Exception:
+            raise AssertionError(f"{what}: daemon pid {p.pid} still running after {timeout_s}s") from None
+    return [p.returncode for p in procs]
+
+
+def _until(cond, timeout_s: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a daemon exited while waiting for {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_two_node_quickstart_learns_with_ranks_and_engines_on_both_nodes(tmp_path, cluster_launcher):
+    out = tmp_path / "qs2"
+    procs, logs = cluster_launcher(RECIPE, 2, [*_common(tmp_path, "qs2"), "loop.num_steps=60",
+                                               "loop.eval_every=20", "loop.save_every=0"])
+    placed: list[dict[str, int]] = [{}, {}]
+
+    def both_placed() -> bool:
+        for rank, p in enumerate(procs):
+            placed[rank].update(_actors_of(p.pid))
+        return "trainer/1" in placed[1] and "engines@1" in placed[1] and "trainer/0" in placed[0]
+
+    _until(both_placed, 120, "trainer/0 on node 0, trainer/1 and engines@1 on node 1", procs)
+    started = time.monotonic()
+    codes = _wait(procs, 540, "the 2-node quickstart")
+    text = logs[0].read_text() + logs[1].read_text()
+    assert codes == [0, 0], text[-4000:]
+    # ranks 0 and 1 ran under different daemons; the gateway, session and driver on the head
+    assert {"trainer/0", "engines", "driver", "rollout"} <= set(placed[0]), placed
+    assert {"trainer/1", "engines@1"} <= set(placed[1]) and "trainer/1" not in placed[0], placed
+    evals = _records(out, "eval")
+    assert [e["step"] for e in evals] == [0, 20, 40, 60]
+    assert max(e["eval/reward"] for e in evals[-2:]) >= evals[0]["eval/reward"] + 0.1, evals
+    train = _records(out, "train")
+    assert [r["step"] for r in train] == list(range(1, 61))
+    assert all(r["version"] == r["step"] + 1 for r in train)
+    # both nodes' engines served generations, and every publish reached both of them
+    fleet = _records(out, "actors")[-1]
+    assert fleet["engines/alive"] == 2.0, fleet
+    assert fleet["engines/node0/requests_total"] > 0 and fleet["engines/node1/requests_total"] > 0, fleet
+    last = train[-1]["version"]
+    for node in (0, 1):
+        engine_log = (out / "logs" / f"engine0.node{node}.log").read_text()
+        assert f"weight version {last}:" in engine_log, engine_log[-2000:]
+    print(f"2-node quickstart: held-out {evals[0]['eval/reward']:.3f} -> "
+          f"{[e['eval/reward'] for e in evals[1:]]}, {time.monotonic() - started:.0f} s after placement")
+
+
+@pytest.mark.slow
+def test_losing_a_node_stops_the_job_named_and_the_same_command_resumes(tmp_path, cluster_launcher):
+    out = tmp_path / "lost"
+    overrides = [*_common(tmp_path, "lost"), "loop.num_steps=8", "loop.save_every=2",
+                 "loop.eval_every=0", 'eval.mode="off"']
+    procs, logs = cluster_launcher(RECIPE, 2, overrides)
+    ckpt = out / "checkpoints" / "step_000002" / "loop_state.json"
+    _until(ckpt.exists, 240, f"the first checkpoint ({ckpt})", procs)
+    _until(lambda: "trainer/1" in _actors_of(procs[1].pid) and "engines@1" in _actors_of(procs[1].pid),
+           30, "node 1's actors", procs)
+    pids = _tree(procs[0].pid) | _tree(procs[1].pid)
+    killed = time.monotonic()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    grace_s = 10.0  # cluster.shutdown_grace_s: the head's own actors are stopped in order
+    code = _wait(procs[:1], NODE_TIMEOUT_S + grace_s + 10, "the head after node 1 was lost")[0]
+    took = time.monotonic() - killed
+    procs[1].wait(5)
+    head_log = logs[0].read_text()
+    assert code != 0, head_log[-3000:]
+    lost = [line for line in head_log.splitlines() if "shutting down: node 1 lost:" in line]
+    assert lost, head_log[-3000:]
+    assert "its actors: engines@1, trainer/1" in lost[0] and "run the same command again to resume" in lost[0]
+    assert "checkpoint " in lost[0] and "/checkpoints/step_" in lost[0], lost[0]
+    time.sleep(1.0)
+    assert _alive(pids) == [], "orphans after losing node 1"
+    print(f"node 1 lost: the head exited {took:.1f} s after the kill ({lost[0].split('; its')[0]})")
+
+    procs, logs = cluster_launcher(RECIPE, 2, overrides)  # the same command again, on both nodes
+    codes = _wait(procs, 300, "the resumed 2-node run")
+    head_log = logs[0].read_text()
+    assert codes == [0, 0], head_log[-3000:]
+    assert any("resumed from" in line and "/checkpoints/step_" in line for line in head_log.splitlines())
+    steps = [r["step"] for r in _records(out, "train")]
+    assert steps[-1] == 8 and steps.count(1) == 1, steps  # continued, not started over
+
+
+@pytest.mark.slow
+def test_losing_the_head_stops_every_other_node(tmp_path, cluster_launcher):
+    out = tmp_path / "head"
+    procs, logs = cluster_launcher(RECIPE, 2, [*_common(tmp_path, "head"), "loop.num_steps=200",
+                                               "loop.save_every=0", "loop.eval_every=0",
+                                               'eval.mode="off"'])
+    _until(lambda: bool(_records(out, "train")), 240, "the first RL step", procs)
+    pids = _tree(procs[0].pid) | _tree(procs[1].pid)
+    assert "trainer/1" in _actors_of(procs[1].pid)
+    killed = time.monotonic()
+    os.kill(procs[0].pid, signal.SIGKILL)
+    grace_s = 10.0
+    code = _wait(procs[1:], NODE_TIMEOUT_S + grace_s + 5, "node 1 after the head was lost")[0]
+    took = time.monotonic() - killed
+    text = logs[1].read_text()
+    assert code != 0, text[-3000:]
+    assert "shutting down: the head (node 0) lost: its registry at" in text, text[-3000:]
+    time.sleep(1.0)
+    assert _alive(pids) == [], "orphans after losing the head"
+    print(f"head lost: node 1 exited {took:.1f} s after the kill")
+
+
+def _engine_pids(daemon_pid: int) -> list[int]:
+    out = []
+    try:
+        children = psutil.Process(daemon_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for child in children:
+        try:
+            if "miles.engines.embedded" in child.cmdline():
+                out.append(child.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_an_engine_killed_on_node_1_is_restarted_there_and_rejoins_after_a_publish(tmp_path, cluster_launcher):
+    """Node 1's fleet restarts its engine and reports it; the head's fleet holds it pending until
+    the driver has published the current weights to it, then it serves again."""
+    out = tmp_path / "eng"
+    procs, logs = cluster_launcher(RECIPE, 2, [*_common(tmp_path, "eng"), "loop.num_steps=40",
+                                               "loop.save_every=0", "loop.eval_every=0",
+                                               'eval.mode="off"'])
+    _until(lambda: len(_records(out, "train")) >= 2 and _engine_pids(procs[1].pid), 240,
+           "two RL steps and node 1's engine", procs)
+    (engine_pid,) = _engine_pids(procs[1].pid)
+    os.kill(engine_pid, signal.SIGKILL)
+    codes = _wait(procs, 300, "the run after node 1's engine was killed")
+    head_log = logs[0].read_text()
+    assert codes == [0, 0], head_log[-3000:]
+    fleet_log = (out / "logs" / "engines.log").read_text()  # the head's fleet, INFO lines included
+    assert "engine 1 (node 1, http://127.0.0.1:" in fleet_log and "that node restarts it" in fleet_log
+    assert "engine 1 (node 1) restarted at" in fleet_log, fleet_log[-3000:]
+    fleet = _records(out, "actors")[-1]
+    assert fleet["engines/alive"] == 2.0 and fleet["engines/pending"] == 0.0, fleet
+    assert fleet["engines/generation"] == 1.0, fleet
+    train = _records(out, "train")
+    assert [r["step"] for r in train] == list(range(1, 41))
+    # the restarted engine (the same log file, appended) took the final weights
+    engine_log = (out / "logs" / "engine0.node1.log").read_text()
+    fresh_url = fleet_log.split("engine 1 (node 1) restarted at ")[1].split(";")[0]
+    assert f"on {fresh_url}" in engine_log, engine_log[-2000:]
+    assert f"weight version {train[-1]['version']}:" in engine_log.split(f"on {fresh_url}")[1]
+    assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+
+
+# Fast cases of the same rules without the RL loop: demo actors, one of them placed per node.
+PER_NODE = '''
+[run]
+name = "t"
+output_dir = "@OUT@"
+[cluster]
+head_port = @PORT@
+heartbeat_interval_s = 0.5
+shutdown_grace_s = 3
+node_timeout_s = 4.0
+[actors.driver]
+class = "miles.demo:DemoDriver"
+node = 0
+main = true
+options = { samples = 100000, tokens = 64, batch = 64, retries = 2 }
+[actors.sink]
+class = "miles.demo:Sink"
+nodes = [0, 1]
+per_node = true
+options = { delay_s = 0.5 }
+'''
+
+
+def _registered(out: Path) -> set[str]:
+    """The actors the head's registry knows (its dashboard's /api/actors)."""
+    import urllib.request
+    try:
+        url = (out / "metrics_url.node0").read_text().strip()
+        with urllib.request.urlopen(url + "api/actors", timeout=2) as resp:
+            return {row["name"] for row in json.loads(resp.read())}
+    except (OSError, ValueError):
+        return set()
+
+
+def _started(procs, names_by_rank, out: Path, timeout_s=30.0):
+    def placed():
+        return (all(set(names) <= set(_actors_of(p.pid)) for p, names in zip(procs, names_by_rank))
+                and {n for names in names_by_rank for n in names} <= _registered(out))
+    _until(placed, timeout_s, f"actors {names_by_rank} on their nodes, registered", procs)
+
+
+def test_per_node_placement_names_one_actor_per_node_and_a_lost_node_ends_the_job(node_launcher):
+    procs, _, logs = node_launcher(PER_NODE, nnodes=2)
+    _started(procs, [["driver", "sink"], ["sink@1"]], logs[0].parent / "run")
+    assert "sink@1" not in _actors_of(procs[0].pid) and "sink" not in _actors_of(procs[1].pid)
+    pids = _tree(procs[0].pid) | _tree(procs[1].pid)
+    killed = time.monotonic()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    code = _wait(procs[:1], 4.0 + 3 + 10, "the head after node 1 was lost")[0]
+    took = time.monotonic() - killed
+    text = logs[0].read_text()
+    assert code == 1, text[-3000:]
+    line = next(l for l in text.splitlines() if "shutting down: node 1 lost:" in l)
+    assert "its actors: sink@1;" in line and "stopped before the first checkpoint" in line, line
+    assert "(cluster.node_timeout_s = 4.0)" in line
+    assert took < 4.0 + 3 + 5, took
+    time.sleep(0.5)
+    assert _alive(pids) == []
+
+
+def test_a_lost_head_ends_the_other_nodes_within_the_node_timeout(node_launcher):
+    procs, _, logs = node_launcher(PER_NODE, nnodes=2)
+    _started(procs, [["driver", "sink"], ["sink@1"]], logs[0].parent / "run")
+    pids = _tree(procs[0].pid) | _tree(procs[1].pid)
+    killed = time.monotonic()
+    os.kill(procs[0].pid, signal.SIGKILL)
+    code = _wait(procs[1:], 4.0 + 3 + 10, "node 1 after the head was lost")[0]
+    took = time.monotonic() - killed
+    text = logs[1].read_text()
+    assert code == 1, text[-3000:]
+    assert "shutting down: the head (node 0) lost: its registry at tcp://127.0.0.1:" in text, text[-3000:]
+    assert 4.0 <= took < 4.0 + 3 + 5, took  # not before the deadline, and soon after it
+    time.sleep(0.5)
+    assert _alive(pids) == []
