@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import sys
 import time
 
 import numpy as np
 import torch
+from miles.hostinfo import machine
 
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
@@ -52,12 +52,6 @@ def build_model(name: str):
     if name == "small":
         return build_tiny_model(arch="qwen3", **QWEN3_SMALL)
     return build_tiny_model(arch="qwen2")
-
-
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"cpu {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def sync(device):

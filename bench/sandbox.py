@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -22,10 +21,7 @@ import tempfile
 import time
 
 from miles.sandboxes import BackendUnavailableError, SandboxPool, SandboxSpec, get_backend
-
-
-def machine() -> str:
-    return f"{platform.system()}-{platform.machine()} {os.cpu_count()}cpu py{platform.python_version()}"
+from miles.hostinfo import machine
 
 
 async def make(name: str, base_dir: str):

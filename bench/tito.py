@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +40,7 @@ from miles.tito.request import ChatRequest  # noqa: E402
 from miles.tito.session import EngineTurn, Session  # noqa: E402
 from miles.tito.template import render_template  # noqa: E402
 from miles.tito.tokenizer import load_tokenizer  # noqa: E402
+from miles.hostinfo import machine
 
 TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run a shell command and return stdout.",
                                            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
@@ -49,10 +48,6 @@ TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run 
 LINES = ["drwxr-xr-x  2 user user  4096 Jan  1 12:00 src", "-rw-r--r--  1 user user  1832 Jan  1 12:00 setup.py",
          "def tokenize(text: str) -> list[int]:", "    return [ord(c) for c in text]  # TODO: real BPE",
          "FAILED tests/test_io.py::test_roundtrip - AssertionError: 3 != 4", "Traceback (most recent call last):"]
-
-
-def machine() -> str:
-    return f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}"
 
 
 def build_history(session: Session, tokenizer, family, target_tokens: int) -> list[dict]:

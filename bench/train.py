@@ -1,7 +1,10 @@
-"""One RL training step of the FSDP backend: throughput, MFU and peak memory.
+"""One RL training step of a training backend (FSDP, Megatron or both): throughput, MFU, peak memory.
 
 Prints one JSON line:
   {"bench": "train", "model", "tokens_per_s", "mfu", "peak_mem_gib", "step_s", "machine", ...}
+With several backends (`--backend megatron,fsdp`) they run one after another on the same model and
+batch, in the same process, and the line is {"bench": "train", "model", "machine",
+"backends": {name: {the per-backend figures}}}.
 
 - Model: Qwen2-1.5B-shaped (hidden 1536, 28 layers, 12 heads / 2 kv heads, intermediate 8960,
   vocab 151936, tied embeddings), random weights, bf16 compute over fp32 master weights. Written
@@ -19,7 +22,10 @@ Prints one JSON line:
   sample (fwd + bwd, half the square), plus 1/3 of that again with --recompute-pass.
 - Timing: median of --steps steps after --warmup steps, CUDA-synchronized; peak memory after warmup.
 
-Usage: .venv/bin/python bench/train.py [--model qwen2-1.5b|tiny] [--microbatches 4]
+- Megatron (`--backend megatron`): TP=1 on one device, local layer spec (no Transformer Engine),
+  megatron's optimizer with fp32 main params (distributed optimizer over a DP of 1).
+
+Usage: .venv/bin/python bench/train.py [--backend fsdp|megatron|megatron,fsdp] [--model qwen2-1.5b|tiny] [--microbatches 4]
        [--microbatch-tokens 8192] [--steps 3] [--attention packed|sdpa] [--recompute-pass]
        [--compile auto|on|off] [--no-master] [--gradient-checkpointing] [--profile FILE]
 """
@@ -29,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from miles.hostinfo import machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,12 +52,6 @@ QWEN2_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12
                   intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768,
                   rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                   use_sliding_window=False, bos_token_id=151643, eos_token_id=151645)
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}"
-    return f"{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__}"
 
 
 def build_model_dir(name: str, root: Path) -> Path:
@@ -161,6 +161,8 @@ def profile_step(backend, samples, path: Path, step_s: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="fsdp",
+                    help="fsdp, megatron, or a comma list run one after another (one JSON line)")
     ap.add_argument("--model", choices=["qwen2-1.5b", "tiny"],
                     default="qwen2-1.5b" if torch.cuda.is_available() else "tiny")
     ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()))
@@ -182,18 +184,29 @@ def main() -> None:
         ap.error(f"--microbatch-tokens={tokens_per_mb} must be a power of two")
     torch.set_num_threads(max(1, min(16, os.cpu_count() or 1)) if torch.cuda.is_available() else 1)
 
+    names = [n.strip() for n in args.backend.split(",") if n.strip()]
+    if not names or any(n not in ("fsdp", "megatron") for n in names):
+        ap.error(f"--backend={args.backend!r}: expected fsdp, megatron or a comma list of them")
+    model_dir = build_model_dir(args.model, args.model_dir)
+    results = {name: run_backend(name, args, model_dir, tokens_per_mb) for name in names}
+    if len(results) == 1:
+        print(json.dumps({"bench": "train", "backend": names[0], **results[names[0]]}))
+    else:
+        print(json.dumps({"bench": "train", "model": args.model, "machine": machine(), "backends": results}))
+
+
+def run_backend(name: str, args, model_dir: Path, tokens_per_mb: int) -> dict:
     from miles.algo import LossConfig
     from miles.backends import RankInfo, TrainConfig, make_backend
 
-    model_dir = build_model_dir(args.model, args.model_dir)
     cuda = torch.cuda.is_available()
-    cfg = TrainConfig(model_path=str(model_dir), param_dtype="bfloat16" if cuda else "float32",
+    cfg = TrainConfig(backend=name, model_path=str(model_dir), param_dtype="bfloat16" if cuda else "float32",
                       master_weights_fp32=not args.no_master, lr=1e-6,
                       max_tokens_per_microbatch=tokens_per_mb, attention=args.attention,
                       old_logprobs="recompute" if args.recompute_pass else "auto",
                       gradient_checkpointing=args.gradient_checkpointing,
                       compile={"auto": None, "on": True, "off": False}[args.compile])
-    backend = make_backend("fsdp")
+    backend = make_backend(name)
     backend.init(cfg, RankInfo(), LossConfig(advantage_estimator="grpo"))
     vocab = backend.vocab_size
     samples = make_batch(vocab, args.microbatches, tokens_per_mb)
@@ -212,12 +225,15 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    profile = profile_step(backend, samples, args.profile, step_s) if args.profile and cuda else {}
+    profile = {}
+    if args.profile and cuda:
+        path = args.profile if len(args.backend.split(",")) == 1 else args.profile.with_suffix(f".{name}.txt")
+        profile = profile_step(backend, samples, path, step_s)
     tokens = sum(len(s.tokens) for s in samples)
     flops = count_flops(model_dir, samples, args.recompute_pass)
     from miles.backends import attention as packed_attention
-    print(json.dumps({
-        "bench": "train", "model": args.model, "tokens_per_s": round(tokens / step_s, 1),
+    result = {
+        "model": args.model, "tokens_per_s": round(tokens / step_s, 1),
         "mfu": round(flops / step_s / (PEAK_TFLOPS * 1e12), 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "step_s": round(step_s, 4), "machine": machine(),
@@ -225,11 +241,17 @@ def main() -> None:
         "microbatch_tokens": tokens_per_mb, "tflops_per_step": round(flops / 1e12, 2),
         "attention": args.attention + ("+varlen" if packed_attention._varlen_fn is not None else ""),
         "recompute_pass": args.recompute_pass, "master_fp32": not args.no_master,
-        "compile": backend.use_compile,
+        "compile": getattr(backend, "use_compile", None),
         "loss": round(metrics["loss"], 6), "grad_norm": round(metrics["grad_norm"], 4),
         **profile,
-    }))
+    }
     backend.close()
+    del backend
+    if cuda:
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
 
 
 if __name__ == "__main__":

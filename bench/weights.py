@@ -24,6 +24,12 @@ Prints one JSON line per model:
   master copies, weights rounded back to bf16), then the disk-delta payload (XOR with the previous
   bytes, zlib level 1, miles/weights/delta_format.py) as a fraction of the full size.
   `delta_changed_frac` is the fraction of bf16 elements that changed.
+- Stall time (every transport): `stall_s` = `pause_s` + `transfer_s` + `load_s` + `version_s` +
+  `resume_s`, medians over the rounds (PublishReport.metrics; `background_s`: disk_delta's
+  transfer and prepare while the engine serves). `--transport colocated` (one GPU, CUDA IPC)
+  reports `hbm_copy_s` (one device copy of the same bytes) and `stall_over_copy` = (stall - pause
+  - resume) / hbm_copy_s (target <= 1.3); `--transport disk_delta` changes every weight a little
+  before each publish, so each delta is a real one.
 - Default: GPU 0 trainer -> GPU 1 engine, NCCL. `--tiny` (the default without 2 GPUs) is the CPU
   smoke test: tiny models, gloo, engine on CPU.
 
@@ -34,7 +40,7 @@ Prints one JSON line per model:
 
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
        [--inflight 3] [--direct-kb 8192] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
-       [--no-check] [--no-delta]
+       [--no-check] [--no-delta] [--transport nccl|colocated|disk|disk_delta]
 """
 
 from __future__ import annotations
@@ -44,7 +50,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -58,6 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles.weights.process_group import free_port, init_custom_process_group  # noqa: E402
+from miles.hostinfo import machine
 
 QWEN2 = dict(model_type="qwen2", max_position_embeddings=32768, rope_theta=1_000_000.0,
              rms_norm_eps=1e-6, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645)
@@ -76,14 +82,6 @@ MODELS = {
                        max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
                        eos_token_id=0),
 }
-
-
-def machine() -> str:
-    gpu = ""
-    if torch.cuda.is_available():
-        gpu = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, "
-    return (f"{gpu}{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__}, "
-            f"python {platform.python_version()}")
 
 
 def sync(device: torch.device) -> None:
@@ -230,6 +228,24 @@ def delta_after_one_step(model, device: torch.device, threads: int) -> dict:
             "delta_payload_bytes": payload, "delta_encode_s": time.perf_counter() - t}
 
 
+def device_copy_s(nbytes: int, device: torch.device) -> float:
+    """One copy of `nbytes` within `device` (the HBM-speed floor of a colocated publish)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync(device)
+    t = time.perf_counter()
+    dst.copy_(src)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def perturb(model) -> None:
+    """Change every weight a little, as an optimizer step does (disk_delta ships the change)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0 + 2 ** -6)  # above bf16 rounding (2^-8 relative)
+
+
 def timeline_summary(transport) -> dict:
     """Where the last publish's transfer time went (seconds since the transport's begin)."""
     rows = sorted(transport.timeline)
@@ -268,42 +284,62 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
     raw = None
     outs = []
     version = 1
+    kind = args.transport
     try:
-        cfg = WeightsConfig(transport="nccl", bucket_bytes=variants[0][0], group_backend=backend,
+        cfg = WeightsConfig(transport=kind, bucket_bytes=variants[0][0], group_backend=backend,
                             queue_depth=args.queue_depth, inflight_buckets=variants[0][1],
-                            direct_min_bytes=variants[0][2], connect_timeout_s=300)
+                            direct_min_bytes=variants[0][2], connect_timeout_s=300,
+                            disk_dir=str(work / "disk") if kind in ("disk", "disk_delta") else "")
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
-        raw = await asyncio.to_thread(RawBroadcast, backend, trainer_device, args.engine_device, nbytes,
-                                      bucket_bytes, args.rounds + 1, work)
-        await asyncio.to_thread(raw.round)  # warm-up
-        raw_s = [await asyncio.to_thread(raw.round) for _ in range(args.rounds)]
-        await asyncio.to_thread(raw.close)
-        raw = None
+        raw_s = []
+        if kind == "nccl":
+            raw = await asyncio.to_thread(RawBroadcast, backend, trainer_device, args.engine_device,
+                                          nbytes, bucket_bytes, args.rounds + 1, work)
+            await asyncio.to_thread(raw.round)  # warm-up
+            raw_s = [await asyncio.to_thread(raw.round) for _ in range(args.rounds)]
+            await asyncio.to_thread(raw.close)
+            raw = None
+        elif kind == "colocated":  # the reference: the same bytes copied once at HBM speed
+            raw_s = [device_copy_s(nbytes, trainer_device) for _ in range(args.rounds + 1)][1:]
         for vb, vi, vd in variants:
             # the transport reads these at every begin()
             cfg.bucket_bytes, cfg.inflight_buckets, cfg.direct_min_bytes = vb, vi, vd
             await publisher.publish(version, run_update_for(model, transport, version, vb))  # warm-up
             version += 1
-            pub_s, paused = [], []
+            pub_s, paused, parts = [], [], []
             for r in range(args.rounds):
+                if kind == "disk_delta":
+                    perturb(model)  # a delta of unchanged weights would be empty
                 report = await publisher.publish(version, run_update_for(model, transport, version, vb))
                 version += 1
                 pub_s.append(report.seconds)
                 paused.append(report.paused_s)
+                parts.append(report.metrics())
                 direct = report.direct_tensors
-            seconds, raw_seconds = statistics.median(pub_s), statistics.median(raw_s)
+            seconds = statistics.median(pub_s)
+            raw_seconds = statistics.median(raw_s) if raw_s else None
+            stall = {k.split("/", 1)[1]: statistics.median(m[k] for m in parts) for k in parts[0]
+                     if k.endswith("_s")}
+            ref = {}
+            if kind == "nccl":
+                ref = {"raw_broadcast_GBps": nbytes / raw_seconds / 1e9,
+                       "frac_of_raw": raw_seconds / seconds, "raw_seconds": raw_seconds}
+            elif kind == "colocated":  # target: stall <= 1.3 x copy + pause + resume
+                ref = {"hbm_copy_s": raw_seconds, "stall_over_copy": (
+                    stall["stall_s"] - stall["pause_s"] - stall["resume_s"]) / raw_seconds}
             outs.append({
                 "bench": "weights", "model": name, "bytes": nbytes,
-                "transport": "nccl" if backend == "nccl" else "nccl(gloo)", "seconds": seconds,
-                "GBps": nbytes / seconds / 1e9, "raw_broadcast_GBps": nbytes / raw_seconds / 1e9,
-                "frac_of_raw": raw_seconds / seconds, "delta_frac": None, "machine": machine(),
-                "raw_seconds": raw_seconds, "paused_s": statistics.median(paused),
+                "transport": kind if backend == "nccl" or kind != "nccl" else "nccl(gloo)",
+                "seconds": seconds, "GBps": nbytes / seconds / 1e9, **stall, **ref,
+                "payload_bytes": report.payload_bytes, "delta_frac": None, "machine": machine(),
+                "paused_s": statistics.median(paused),
                 "bucket_bytes": vb, "inflight_buckets": vi, "buckets": math.ceil(nbytes / vb),
                 "direct_min_bytes": vd, "direct_tensors": direct, "publish_s_all": pub_s,
-                "ordered_calls": transport._ordered, "rounds": args.rounds, "checked_tensors": 0,
-                **timeline_summary(transport)})
+                "stall_s_all": [m["weights/stall_s"] for m in parts],
+                "ordered_calls": getattr(transport, "_ordered", None), "rounds": args.rounds,
+                "checked_tensors": 0, **(timeline_summary(transport) if kind == "nccl" else {})})
         if not args.no_check:
             checked, algorithm = await check_engine(model, engine.url, bucket_bytes)
             for out in outs:  # (what the engine holds after the last variant's last publish)
@@ -345,6 +381,8 @@ def main() -> None:
     p.add_argument("--variants", default="", help="e.g. 1024:3,1024:3:0,256:3 (bucket MiB:inflight"
                    "[:direct KiB]), each timed against the same engine")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--transport", default="nccl", choices=["nccl", "colocated", "disk", "disk_delta"],
+                   help="colocated: trainer and engine on one GPU (CUDA IPC)")
     p.add_argument("--trainer-device", default=None)
     p.add_argument("--engine-device", default=None)
     p.add_argument("--delta-threads", type=int, default=min(16, os.cpu_count() or 2))
@@ -361,10 +399,14 @@ def main() -> None:
     if args.raw_receiver:
         raw_receiver(args)
         return
-    tiny = args.tiny or not (torch.cuda.is_available() and torch.cuda.device_count() >= 2)
+    gpus_needed = 2 if args.transport == "nccl" else 1
+    tiny = args.tiny or not (torch.cuda.is_available() and torch.cuda.device_count() >= gpus_needed)
+    if tiny and args.transport == "colocated":
+        raise SystemExit("--transport colocated shares GPU memory (CUDA IPC): it needs a GPU")
     args.models = args.models or ("tiny-qwen2,tiny-qwen3" if tiny else "qwen2-1.5b,qwen2-7b")
     args.trainer_device = args.trainer_device or ("cpu" if tiny else "cuda:0")
-    args.engine_device = args.engine_device or ("cpu" if tiny else "cuda:1")
+    args.engine_device = args.engine_device or (
+        "cpu" if tiny else "cuda:1" if args.transport == "nccl" else args.trainer_device)
     args.bucket_mb = args.bucket_mb or (1 if tiny else 1024)
     if tiny:
         torch.set_num_threads(1)

@@ -19,20 +19,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
-import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from miles.hostinfo import machine
 
 N_SAMPLES, TOKENS = 1024, 8192
-
-
-def machine() -> str:
-    return f"{platform.machine()} {os.cpu_count()} cpu, {platform.system()} {platform.release()}, python {platform.python_version()}"
 
 
 def make_batch():
