@@ -10,6 +10,14 @@ Design decisions:
 - A bucket's moments are one flat buffer [exp_avg | exp_avg_sq] in the parameters' dtype (FSDP2's
   fp32 sharded master weights: each rank streams only its own shards). The step count stays on
   the optimizer (`state[p]["step"]`, a scalar, where AdamW keeps it).
+- `bucket_bytes` is a bound, not a hint: a parameter larger than a bucket (an embedding, a fused
+  MLP weight) is cut into pieces of the bucket's size, each starting a bucket of its own, so the
+  device never holds more than BUFFERS x 2 x bucket_bytes of moments, whatever the model's largest
+  tensor. Adam is elementwise, so a piece steps like the same elements of the whole tensor; the
+  pieces are a multiple of PIECE_ALIGN elements long, so a vectorized CPU kernel's scalar tail
+  falls on the same elements as in the whole tensor (bit identity on CPU as well as CUDA). Every
+  piece but the parameter's last steps with a copy of the step count, so it advances once per
+  step. A non-contiguous parameter (no flat view to cut) stays whole.
 - Pipelined with two threads and three device buffers that rotate (allocated for the step,
   released after it): a reader brings bucket k+1
   from its store onto the device while bucket k steps and a writer takes bucket k-1 back, so the
@@ -23,9 +31,10 @@ Design decisions:
   cache does not quietly keep the state in memory and the disk is what is measured.
 - Checkpoints (torch DCP through get_state_dict / set_state_dict): `state_dict()` materializes
   exp_avg / exp_avg_sq per parameter on the host, as DTensors over host shards for FSDP2
-  parameters; "cpu" hands out views of its buffers (no copy), "nvme" reads its files (the state
-  transiently in host memory, never on the device). `load_state_dict` writes loaded moments into
-  the store parameter by parameter; they never all land on the device.
+  parameters; "cpu" hands out views of its buffers (no copy; a cut parameter's are assembled
+  from its pieces), "nvme" reads its files (the state transiently in host memory, never on the
+  device). `load_state_dict` writes loaded moments into the store parameter by parameter; they
+  never all land on the device.
 """
 
 from __future__ import annotations
@@ -46,14 +55,35 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 OFFLOADS = ("none", "cpu", "nvme")
 BUFFERS = 3  # device buffers: reading k+1, stepping k, writing k-1
+# Pieces of a cut parameter are a multiple of this many elements: two 512-bit vectors of bf16, so
+# every CPU kernel's vector loop covers the same elements in a piece as in the whole tensor.
+PIECE_ALIGN = 64
+
+
+@dataclass
+class _Piece:
+    param: torch.Tensor
+    start: int   # first element of the piece in the flattened (local) parameter
+    numel: int
+    offset: int  # element offset of the piece in its bucket's m half
+    last: bool   # the parameter's last piece: the one that advances its step count
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.last
 
 
 @dataclass
 class _Bucket:
     group: int
-    params: list = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)  # element offset of each in the m half
+    pieces: list[_Piece] = field(default_factory=list)
     numel: int = 0
+
+    def add(self, p: torch.Tensor, start: int, numel: int, last: bool) -> _Piece:
+        piece = _Piece(p, start, numel, self.numel, last)
+        self.pieces.append(piece)
+        self.numel += numel
+        return piece
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -180,8 +210,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
         self._store = None
         self._buckets: list[_Bucket] = []
-        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
-        self.stats = {"read_bytes": 0, "write_bytes": 0}
+        self._where: dict[int, list[tuple[int, _Piece]]] = {}  # id(param) -> its (bucket, piece)s
+        # device_buffer_bytes: what the last step allocated on the device for moments (its
+        # rotating buffers); the moments' whole footprint there, as no step keeps any after it
+        self.stats = {"read_bytes": 0, "write_bytes": 0, "device_buffer_bytes": 0}
 
     # ---- layout -------------------------------------------------------------------------------
 
@@ -197,18 +229,28 @@ class OffloadedAdamW(torch.optim.AdamW):
                              f"{sorted(map(str, devices))}")
         self.dtype, self.device = dtypes.pop(), devices.pop()
         limit = max(1, self.bucket_bytes // torch.empty(0, dtype=self.dtype).element_size())
+        # below PIECE_ALIGN elements the budget wins over the CPU vector loops' alignment
+        piece_max = limit - limit % PIECE_ALIGN or limit
         for gi, group in enumerate(self.param_groups):
             bucket = _Bucket(gi)
             for p in group["params"]:
-                n = _local(p).numel()
-                if bucket.params and bucket.numel + n > limit:
-                    self._buckets.append(bucket)
-                    bucket = _Bucket(gi)
-                self._where[id(p)] = (len(self._buckets), bucket.numel)
-                bucket.params.append(p)
-                bucket.offsets.append(bucket.numel)
-                bucket.numel += n
-            if bucket.params:
+                local = _local(p)
+                n = local.numel()
+                if n <= limit or not local.is_contiguous():
+                    if bucket.pieces and bucket.numel + n > limit:
+                        self._buckets.append(bucket)
+                        bucket = _Bucket(gi)
+                    self._where[id(p)] = [(len(self._buckets), bucket.add(p, 0, n, last=True))]
+                    continue
+                self._where[id(p)] = []
+                for start in range(0, n, piece_max):
+                    if bucket.pieces:
+                        self._buckets.append(bucket)
+                        bucket = _Bucket(gi)
+                    count = min(piece_max, n - start)
+                    piece = bucket.add(p, start, count, last=start + count == n)
+                    self._where[id(p)].append((len(self._buckets), piece))
+            if bucket.pieces:
                 self._buckets.append(bucket)
         sizes = [b.numel for b in self._buckets]
         cuda = self.device.type == "cuda"
@@ -242,10 +284,12 @@ class OffloadedAdamW(torch.optim.AdamW):
         biggest = 2 * max(b.numel for b in self._buckets)
         self._slots = [torch.empty(biggest, dtype=self.dtype, device=self.device)
                        for _ in range(BUFFERS)]
+        self.stats["device_buffer_bytes"] = sum(s.numel() * s.element_size() for s in self._slots)
         free: queue.Queue[int] = queue.Queue()
         for i in range(BUFFERS):
             free.put(i)
-        live = [k for k, b in enumerate(self._buckets) if any(p.grad is not None for p in b.params)]
+        live = [k for k, b in enumerate(self._buckets)
+                if any(piece.param.grad is not None for piece in b.pieces)]
         reads: dict[int, Future] = {}
         writes: list[Future] = []
 
@@ -307,16 +351,27 @@ class OffloadedAdamW(torch.optim.AdamW):
     def _step_bucket(self, bucket: _Bucket, flat: torch.Tensor) -> None:
         group = self.param_groups[bucket.group]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p, off in zip(bucket.params, bucket.offsets):
+        for piece in bucket.pieces:
+            p = piece.param
             if p.grad is None:
                 continue
-            local = _local(p)
-            n = local.numel()
-            params.append(local)
-            grads.append(_local(p.grad))
-            exp_avgs.append(flat[off:off + n].view(local.shape))
-            exp_avg_sqs.append(flat[bucket.numel + off:bucket.numel + off + n].view(local.shape))
-            steps.append(self._step_tensor(p, group))
+            local, grad = _local(p), _local(p.grad)
+            off, n = piece.offset, piece.numel
+            m, v = flat[off:off + n], flat[bucket.numel + off:bucket.numel + off + n]
+            if piece.whole:
+                params.append(local)
+                grads.append(grad)
+                exp_avgs.append(m.view(local.shape))
+                exp_avg_sqs.append(v.view(local.shape))
+            else:
+                params.append(local.view(-1)[piece.start:piece.start + n])
+                grads.append(grad.reshape(-1)[piece.start:piece.start + n])
+                exp_avgs.append(m)
+                exp_avg_sqs.append(v)
+            step = self._step_tensor(p, group)
+            # adam() advances every step tensor it is given: the earlier pieces step with a copy
+            # of the count (not yet advanced, as the last piece is in a later bucket)
+            steps.append(step if piece.last else step.clone())
         beta1, beta2 = group["betas"]
         adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, has_complex=False,
              beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
@@ -335,11 +390,23 @@ class OffloadedAdamW(torch.optim.AdamW):
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def _moments(self, p, flat: torch.Tensor, bucket: _Bucket, off: int):
+    def _moments(self, p, host):
+        """p's exp_avg and exp_avg_sq on the host: views of its bucket's host flat (`host(k)`) when
+        the parameter is whole, assembled from its pieces' buckets when it was cut."""
         local = _local(p)
-        n = local.numel()
-        m = flat[off:off + n].view(local.shape)
-        v = flat[bucket.numel + off:bucket.numel + off + n].view(local.shape)
+        pieces = self._where[id(p)]
+        if len(pieces) == 1:
+            k, piece = pieces[0]
+            flat, half, off = host(k), self._buckets[k].numel, piece.offset
+            m = flat[off:off + piece.numel].view(local.shape)
+            v = flat[half + off:half + off + piece.numel].view(local.shape)
+        else:
+            m, v = (torch.empty(local.numel(), dtype=self.dtype) for _ in range(2))
+            for k, piece in pieces:
+                flat, half, off, n = host(k), self._buckets[k].numel, piece.offset, piece.numel
+                m[piece.start:piece.start + n].copy_(flat[off:off + n])
+                v[piece.start:piece.start + n].copy_(flat[half + off:half + off + n])
+            m, v = m.view(local.shape), v.view(local.shape)
         if hasattr(p, "device_mesh"):  # FSDP2: DCP needs the shard's place in the full tensor
             from torch.distributed.tensor import DTensor
             m, v = (DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
@@ -349,17 +416,19 @@ class OffloadedAdamW(torch.optim.AdamW):
     def state_dict(self):
         self._ensure_ready()
         sd = super().state_dict()
-        ids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        cached: dict[int, torch.Tensor] = {}
+
+        def host(k: int) -> torch.Tensor:
+            # parameters come in bucket order: keeping the last bucket reads each one once
+            if k not in cached:
+                cached.clear()
+                cached[k] = self._store.host(k)
+            return cached[k]
+
         state = {}
-        for k, bucket in enumerate(self._buckets):
-            flat = None
-            for p, off in zip(bucket.params, bucket.offsets):
-                i = ids[id(p)]
-                if i not in sd["state"]:
-                    continue
-                if flat is None:
-                    flat = self._store.host(k)
-                m, v = self._moments(p, flat, bucket, off)
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            if i in sd["state"]:
+                m, v = self._moments(p, host)
                 state[i] = {**sd["state"][i], "exp_avg": m, "exp_avg_sq": v}
         sd["state"] = state
         return sd
@@ -376,17 +445,17 @@ class OffloadedAdamW(torch.optim.AdamW):
         saved_ids = [i for g in groups for i in g["params"]]
         for i, p in zip(saved_ids, (p for g in self.param_groups for p in g["params"])):
             st = state_dict["state"].get(i)
-            k, off = self._where[id(p)]
-            bucket = self._buckets[k]
+            pieces = self._where[id(p)]
             if not st:
                 self.state.pop(p, None)
-                zeros = torch.zeros(_local(p).numel(), dtype=self.dtype)
-                self._store.put(k, off, zeros)
-                self._store.put(k, bucket.numel + off, zeros)
-                continue
-            group = self.param_groups[self._buckets[k].group]
-            step = st["step"]
-            self.state[p] = {"step": step.to(dtype=torch.float32, device=_local(p).device)
-                             if group["capturable"] or group["fused"] else step.detach().clone().cpu()}
-            self._store.put(k, off, _local(st["exp_avg"]).detach().cpu())
-            self._store.put(k, bucket.numel + off, _local(st["exp_avg_sq"]).detach().cpu())
+                m = v = torch.zeros(_local(p).numel(), dtype=self.dtype)
+            else:
+                group = self.param_groups[self._buckets[pieces[0][0]].group]
+                step = st["step"]
+                self.state[p] = {"step": step.to(dtype=torch.float32, device=_local(p).device)
+                                 if group["capturable"] or group["fused"] else step.detach().clone().cpu()}
+                m, v = (_local(st[key]).detach().cpu().reshape(-1) for key in ("exp_avg", "exp_avg_sq"))
+            for k, piece in pieces:
+                half, span = self._buckets[k].numel, slice(piece.start, piece.start + piece.numel)
+                self._store.put(k, piece.offset, m[span])
+                self._store.put(k, half + piece.offset, v[span])
