@@ -10,7 +10,8 @@ Design decisions:
 - The head starts at zero: every value is 0 before the first update, so explained variance starts
   at 0 and the first advantages are the plain (discounted) returns.
 - Without `train.critic_model_path` the decoder is copied from the policy at the first RL call
-  (`start_from`), so it starts from what the policy knows after any SFT warm-start, as PPO's
+  (`start_from`; with `train.lora`, the merged weights the engines serve, as the critic is always a
+  dense model), so it starts from what the policy knows after any SFT warm-start, as PPO's
   critics start from the SFT model; a random-init decoder learned nothing in the quickstart's 60
   steps (explained variance ~0.02). A resumed critic is never overwritten.
 - Sharded like the policy (fully_shard per decoder layer plus the root, the same mesh and mixed
@@ -119,17 +120,32 @@ class Critic:
 
     @torch.no_grad()
     def start_from(self, policy_decoder: nn.Module) -> None:
-        """Copy the policy's decoder into the critic's (once, before the first RL step). Both are
-        sharded the same way over the same mesh, so each rank copies its own shards."""
+        """Copy the policy's decoder into the critic's (once, before the first RL step; collective).
+
+        With train.lora the policy's adapted linears are peft wrappers (`q_proj.base_layer.weight`
+        plus lora_A / lora_B): the critic, a dense model, starts from their merge
+        W + (alpha / rank) * B @ A, the weights the engines serve (equal to the base while B is
+        peft's initial zero, not after a LoRA SFT warm-start). Unadapted parameters are sharded
+        the same way over the same mesh, so each rank copies its own shards."""
         if not self.from_policy:
             return
-        theirs = dict(policy_decoder.named_parameters())
-        for name, mine in self.model.decoder.named_parameters():
-            src = theirs.get(name)
-            if src is None or _local(src).shape != _local(mine).shape:
-                raise ValueError(f"critic: the policy's decoder has no parameter {name!r} of shape "
-                                 f"{tuple(_local(mine).shape)} to start from")
-            _local(mine).copy_(_local(src))
+        from miles.backends.lora import merged_hf_parameters
+
+        mine = dict(self.model.decoder.named_parameters())
+        copied = set()
+        for name, src in merged_hf_parameters(policy_decoder):  # every rank iterates to the end
+            dst = mine.get(name)
+            if dst is None:
+                continue
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"critic: the policy's decoder parameter {name!r} has shape "
+                                 f"{tuple(src.shape)}; the critic's has {tuple(dst.shape)}")
+            _copy_into(dst, src)
+            copied.add(name)
+        missing = sorted(set(mine) - copied)
+        if missing:
+            raise ValueError(f"critic: the policy's decoder has no parameter {missing[0]!r} of shape "
+                             f"{tuple(mine[missing[0]].shape)} to start from ({len(missing)} missing)")
         self.from_policy = False
 
     @torch.no_grad()
@@ -187,6 +203,7 @@ class Critic:
 
     def device_tensors(self) -> Iterator[torch.Tensor]:
         """What sleep() moves off the device: parameters, gradients, buffers and Adam state."""
+        _reshard(self.model)  # the shards are what stays registered; unsharded copies would be missed
         for p in self.model.parameters():
             yield _local(p)
             if p.grad is not None:
@@ -221,6 +238,22 @@ def _reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` (a shard laid out as `dst`, or a whole tensor) into the parameter `dst`."""
+    if hasattr(src, "to_local") and hasattr(dst, "to_local") and (src.device_mesh, src.placements) == (
+            dst.device_mesh, dst.placements):
+        dst.to_local().copy_(src.to_local())
+    elif hasattr(dst, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = src.full_tensor() if hasattr(src, "full_tensor") else src
+        # every rank holds the same whole tensor, so each keeps its own rows without communication
+        dst.to_local().copy_(distribute_tensor(full.to(dst.dtype), dst.device_mesh, dst.placements,
+                                               src_data_rank=None).to_local())
+    else:
+        dst.copy_(src.full_tensor() if hasattr(src, "full_tensor") else src)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

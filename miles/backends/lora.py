@@ -62,8 +62,10 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def merged_hf_parameters(lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of the LoRA-injected `lm` with every adapter merged (collective:
-    gathering a shard is, so every rank iterates to the end)."""
+    """(name, tensor) of every parameter of the LoRA-injected `lm` (a CausalLM: HF names; its
+    decoder: the decoder's names) with every adapter merged: an adapted linear's weight as a full
+    fp32 tensor, any other parameter as it is (a shard). Collective (gathering a shard is), so
+    every rank iterates to the end."""
     from miles.backends.hf_weights import _full_tensor
 
     lora_layers = {name: module for name, module in lm.named_modules() if _is_lora(module)}
