@@ -18,6 +18,9 @@ Design decisions:
   against its own bytes; all engines must agree on it. This needs the embedded engine's
   `/update_weights_from_delta` (SGLang has no such endpoint).
 - Compression runs on `delta_threads` threads (zlib/lzma/zstd release the GIL), chunk by chunk.
+- Each engine's `prepare` answer says where it staged the delta (`staged_on`: its GPU when it has
+  room, else "cpu"); `staged_on` keeps them, one per engine, and the trainer logs them, because
+  the engine's own line is INFO and engines usually run at `--log-level warning`.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class DiskDeltaTransport(WeightTransport):
         self.engine_dtype = torch.float32
         self.delta_dir: Path | None = None
         self.last_manifest = None
+        self.staged_on: list[str] = []  # per engine, from the last prepare: "cuda:0", "cpu"
 
     def connect(self, engine_urls: list[str]) -> None:
         if not self.is_sender:
@@ -149,13 +153,18 @@ class DiskDeltaTransport(WeightTransport):
     # ---- engine side: prepare while serving, swap while paused --------------------------------
 
     def prepare(self, version: int) -> None:
+        self.staged_on = []
         try:
-            self._calls.call_all("update_weights_from_delta", "prepare", str(self.delta_dir),
-                                 weight_version=str(version), timeout_s=self.cfg.prepare_timeout_s,
-                                 what=f"version {version}: prepare delta {self.delta_dir}")
+            answers = self._calls.call_all("update_weights_from_delta", "prepare", str(self.delta_dir),
+                                           weight_version=str(version),
+                                           timeout_s=self.cfg.prepare_timeout_s,
+                                           what=f"version {version}: prepare delta {self.delta_dir}")
         except EngineCallError:
             self._discard()
             raise
+        self.staged_on = [str(a.get("staged_on", "unknown")) if isinstance(a, dict) else "unknown"
+                          for a in answers]
+        log.info("delta v%d prepared; staged on %s", version, ", ".join(self.staged_on))
 
     def commit(self, version: int) -> None:
         try:

@@ -128,7 +128,11 @@ async def test_nccl_gpu0_to_engine_on_gpu1_with_a_request_in_flight(tmp_path):
 
 async def test_disk_delta_into_a_cuda_engine(tmp_path):
     path = build_tiny_model(**MODEL)
-    engine = await launch_embedded_engine(path, extra_args=["--device", "cuda:0", *ENGINE],
+    # The engine stages on its GPU only when free memory exceeds the delta by its headroom (2 GiB):
+    # give back what earlier tests of this process keep cached. At INFO, the engine logs where.
+    torch.cuda.empty_cache()
+    engine = await launch_embedded_engine(path, extra_args=["--device", "cuda:0", *ENGINE,
+                                                            "--log-level", "info"],
                                           log_path=tmp_path / "engine.log")
     try:
         model = plain_model(path, "cuda:0")
@@ -144,6 +148,9 @@ async def test_disk_delta_into_a_cuda_engine(tmp_path):
         assert transport.last_manifest.base_version == 1
         assert second.payload_bytes < first.payload_bytes
         # staged on the GPU (it has room): apply's pause is a device-to-device copy
+        free, total = torch.cuda.mem_get_info(0)
+        assert transport.staged_on == ["cuda:0"], (transport.staged_on, f"free {free / 2**30:.1f} "
+                                                   f"of {total / 2**30:.1f} GiB")
         assert "staged on cuda:0" in (tmp_path / "engine.log").read_text()
         await publisher.close()
         transport.close()
