@@ -30,6 +30,12 @@ Prints one JSON line per model:
   reports `hbm_copy_s` (one device copy of the same bytes) and `stall_over_copy` = (stall - pause
   - resume) / hbm_copy_s (target <= 1.3); `--transport disk_delta` changes every weight a little
   before each publish, so each delta is a real one.
+- Output as it is measured: per model and variant, a `"part": "publish"` line as soon as its
+  rounds are timed, then the whole line once the check and the delta are done. `--budget-s`
+  (default 80 on GPUs; 0: none) bounds the delta's encode (the slow part on a 7B: every byte to the host,
+  XOR and zlib): past the budget it stops at a tensor boundary, and `delta_tensors` /
+  `delta_of_tensors` say how much of the model the fraction covers. Progress with timings goes to
+  stderr; `--log-dir` keeps the engine logs.
 - Default: GPU 0 trainer -> GPU 1 engine, NCCL. `--tiny` (the default without 2 GPUs) is the CPU
   smoke test: tiny models, gloo, engine on CPU.
 
@@ -40,7 +46,7 @@ Prints one JSON line per model:
 
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
        [--inflight 3] [--direct-kb 8192] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
-       [--no-check] [--no-delta] [--transport nccl|colocated|disk|disk_delta]
+       [--no-check] [--no-delta] [--transport nccl|colocated|disk|disk_delta] [--budget-s 80]
 """
 
 from __future__ import annotations
@@ -87,6 +93,14 @@ MODELS = {
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """Where the time goes, on stderr (stdout carries only the JSON lines)."""
+    print(f"[weights {time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 # ---- the raw broadcast: a bare receiver process ----------------------------------------------------
@@ -189,8 +203,10 @@ async def check_engine(model, url: str, bucket_bytes: int) -> tuple[int, str]:
     return len(trainer), algorithm
 
 
-def delta_after_one_step(model, device: torch.device, threads: int) -> dict:
-    """One real AdamW step (lr 1e-6, fp32 master, bf16 weights), then the disk-delta payload."""
+def delta_after_one_step(model, device: torch.device, threads: int, deadline: float | None = None) -> dict:
+    """One real AdamW step (lr 1e-6, fp32 master, bf16 weights), then the disk-delta payload.
+    Past `deadline` (perf_counter) the encode stops after the tensor at hand (at least one): the
+    fraction is then over the tensors done (`delta_tensors` of `delta_of_tensors`)."""
     from miles.weights.delta_format import encode_chunks
     old = {n: t.detach().clone() for n, t in hf_tensors(model, 1 << 30)}
     vocab = model.config.vocab_size
@@ -212,10 +228,16 @@ def delta_after_one_step(model, device: torch.device, threads: int) -> dict:
             del master, opt
     model.eval()
     sync(device)
+    progress("delta: optimizer step done; encoding")
     t = time.perf_counter()
-    full = payload = changed = elements = 0
+    full = payload = changed = elements = done = 0
+    total = len(old)
     with ThreadPoolExecutor(threads) as pool:
         for name, new in hf_tensors(model, 1 << 30):
+            if done and deadline is not None and time.perf_counter() > deadline:
+                progress(f"delta: budget reached after {done} of {total} tensors")
+                break
+            done += 1
             a = old.pop(name)
             changed += int((a.view(torch.int16) != new.view(torch.int16)).sum())
             elements += new.numel()
@@ -225,7 +247,8 @@ def delta_after_one_step(model, device: torch.device, threads: int) -> dict:
             full += nb.nbytes
             payload += sum(len(c) for c, _ in chunks)
     return {"delta_frac": payload / full, "delta_changed_frac": changed / elements,
-            "delta_payload_bytes": payload, "delta_encode_s": time.perf_counter() - t}
+            "delta_payload_bytes": payload, "delta_encode_s": time.perf_counter() - t,
+            "delta_tensors": done, "delta_of_tensors": total, "delta_bytes_covered": full}
 
 
 def device_copy_s(nbytes: int, device: torch.device) -> float:
@@ -271,7 +294,9 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
     backend = "nccl" if trainer_device.type == "cuda" else "gloo"
     model_dir = work / name
     model = build_model(name, trainer_device, model_dir)
+    sync(trainer_device)
     nbytes = sum(t.numel() * t.element_size() for _, t in hf_tensors(model, 1 << 30))
+    progress(f"{name}: {nbytes / 1e9:.2f} GB of weights built on {trainer_device}; starting the engine")
     bucket_bytes = args.bucket_mb << 20
     engine = await launch_embedded_engine(
         model_dir, log_path=(args.log_dir or work) / f"engine-{name}.log", ready_timeout_s=900,
@@ -293,6 +318,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
+        progress(f"{name}: engine up and connected ({kind})")
         raw_s = []
         if kind == "nccl":
             raw = await asyncio.to_thread(RawBroadcast, backend, trainer_device, args.engine_device,
@@ -308,6 +334,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
             cfg.bucket_bytes, cfg.inflight_buckets, cfg.direct_min_bytes = vb, vi, vd
             await publisher.publish(version, run_update_for(model, transport, version, vb))  # warm-up
             version += 1
+            progress(f"{name}: warm-up publish done; {args.rounds} timed rounds")
             pub_s, paused, parts = [], [], []
             for r in range(args.rounds):
                 if kind == "disk_delta":
@@ -340,10 +367,14 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 "stall_s_all": [m["weights/stall_s"] for m in parts],
                 "ordered_calls": getattr(transport, "_ordered", None), "rounds": args.rounds,
                 "checked_tensors": 0, **(timeline_summary(transport) if kind == "nccl" else {})})
+            # the publish figures now, before the check and the delta (minutes for a 7B on a
+            # loaded host): a run cut short by its time limit still reports them
+            print(json.dumps({**outs[-1], "part": "publish"}), flush=True)
         if not args.no_check:
             checked, algorithm = await check_engine(model, engine.url, bucket_bytes)
             for out in outs:  # (what the engine holds after the last variant's last publish)
                 out["checked_tensors"], out["check"] = checked, algorithm
+            progress(f"{name}: {checked} tensors checked ({algorithm})")
         await publisher.close()
         transport.close()
     finally:
@@ -351,7 +382,9 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
             await asyncio.to_thread(raw.close)
         await engine.stop_async()
     if not args.no_delta:
-        delta = delta_after_one_step(model, trainer_device, args.delta_threads)
+        deadline = T0 + args.budget_s if args.budget_s > 0 else None
+        delta = delta_after_one_step(model, trainer_device, args.delta_threads, deadline)
+        progress(f"{name}: delta encoded in {delta['delta_encode_s']:.1f} s")
         for out in outs:
             out.update(delta)
     del model
@@ -388,6 +421,9 @@ def main() -> None:
     p.add_argument("--delta-threads", type=int, default=min(16, os.cpu_count() or 2))
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-delta", action="store_true")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="the delta's encode stops at a tensor boundary past this (0: no limit; "
+                        "default 80 on GPUs, none with --tiny, whose encode takes milliseconds)")
     # the raw receiver (internal)
     p.add_argument("--raw-receiver", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -408,6 +444,7 @@ def main() -> None:
     args.engine_device = args.engine_device or (
         "cpu" if tiny else "cuda:1" if args.transport == "nccl" else args.trainer_device)
     args.bucket_mb = args.bucket_mb or (1 if tiny else 1024)
+    args.budget_s = (0.0 if tiny else 80.0) if args.budget_s is None else args.budget_s
     if tiny:
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="miles-bench-weights-") as tmp:
