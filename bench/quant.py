@@ -9,6 +9,9 @@ Two modes, one JSON line per format (and per run):
       {"bench": "quant_run", "fmt", "seed", "eval_reward": [[step, reward], ...],
        "train_rollout_kl", "train_rollout_logprob_abs_diff", "s_per_step", "publishes_checked"}
       then {"bench": "quant_runs_summary", "fmt", "final_eval_mean", "final_eval_std", ...}
+  .venv/bin/python bench/quant.py --engine [--device cuda|cpu] [--models qwen2-0.5b qwen2-1.5b]
+      {"bench": "quant_engine", "machine", "tok_per_s": {model: {"bf16": {batch: tok/s},
+       "fp8_gemm": {batch: tok/s}}}, "fp8_speedup": {model: {batch: x}}, "weights_bytes", ...}
 
 - Micro: an N(0, 0.02) bf16 matrix of `--dim` x `--dim`: relative L2 error of
   dequantize(quantize(w)), quantize / dequantize seconds per GB of bf16 input (median of 3).
@@ -22,6 +25,13 @@ Two modes, one JSON line per format (and per run):
   train/train_rollout_* measure the format alone, not staleness), check_weights on every publish.
   The trainer's `train/train_rollout_kl` (k3 estimate) and `..._logprob_abs_diff` are averaged
   over steps; held-out greedy reward every 10 steps.
+- Engine: embedded-engine decode tok/s at batch 1 and 64 (bench/engine.py's in-process scheduler
+  runs and its differencing of a short and a long run), BF16 (no quantization) against
+  `--quantization fp8 --fp8-gemm on` (FP8 weights, FP8 block-wise GEMMs for the dense linears),
+  for random qwen2-0.5b- and qwen2-1.5b-shaped models: config.json only, `--load-format dummy`,
+  then random N(0, 0.02) weights written on the device through the engine's own copy_in (the FP8
+  engine quantizes them on arrival), so nothing is built or read from disk. On CPU a tiny smoke
+  run measures BF16 only and says why the FP8 part is skipped (the FP8 GEMM needs CUDA).
 """
 
 from __future__ import annotations
@@ -116,6 +126,105 @@ def micro(args) -> None:
                           "kl_vs_bf16": kl, "logprob_abs_diff_vs_bf16": diff}), flush=True)
 
 
+QWEN2_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
+                 tie_word_embeddings=True)
+TINY_QWEN2 = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096,
+                  tie_word_embeddings=True)
+
+
+def _config_dir(name: str, dims: dict) -> Path:
+    """A model directory with config.json only (the engine starts with --load-format dummy)."""
+    import tempfile
+    from transformers import Qwen2Config
+    out = Path(tempfile.mkdtemp(prefix=f"quant-engine-{name}-"))
+    Qwen2Config(**dims).save_pretrained(out)
+    return out
+
+
+def _random_weights(weights, seed: int) -> None:
+    """N(0, 0.02) everywhere (norms 1), through copy_in: FP8-held linears quantize on arrival."""
+    g = torch.Generator(device=weights.device).manual_seed(seed)
+    with torch.no_grad():
+        for name in list(weights.names):
+            shape = weights.full_shape(name)
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, device=weights.device, dtype=weights.dtype)
+            else:
+                t = torch.randn(shape, generator=g, device=weights.device).mul_(0.02).to(weights.dtype)
+            weights.copy_in(name, t)
+    if weights.device.type == "cuda":
+        torch.cuda.synchronize(weights.device)
+
+
+async def _engine_decode(path: Path, device, mode: str, args) -> tuple[dict, int]:
+    """{batch: decode tok/s} of one engine (mode bf16 | fp8_gemm), and its weight bytes."""
+    from engine import engine_run  # bench/engine.py
+    from miles.engines.embedded import build_parser, build_server
+    max_bs = max(args.batches)
+    flags = ["--model-path", str(path), "--skip-tokenizer-init", "--device", str(device),
+             "--dtype", "bfloat16", "--load-format", "dummy", "--random-seed", "0",
+             "--max-running-requests", str(max_bs), "--cuda-graph-max-bs", str(max_bs),
+             "--max-total-tokens", str(max_bs * (args.prompt_len + args.n_long) + 1024),
+             "--context-length", str(args.prompt_len + args.n_long + 64),
+             "--cuda-graph-precapture-kv", "0", "--torch-threads", str(torch.get_num_threads())]
+    if mode == "fp8_gemm":
+        flags += ["--quantization", "fp8", "--fp8-gemm", "on"]
+    server = build_server(build_parser().parse_args(flags))
+    weights = server.runner.model.weights
+    _random_weights(weights, seed=0)
+    server.scheduler.start()
+    out = {}
+    try:
+        for b in args.batches:
+            await engine_run(server, b, args.prompt_len, args.n_long, seed=1)  # warm-up, graph capture
+            t_short = await engine_run(server, b, args.prompt_len, args.n_short, seed=2)
+            t_long = await engine_run(server, b, args.prompt_len, args.n_long, seed=3)
+            out[b] = round(b * (args.n_long - args.n_short) / (t_long - t_short), 1)
+    finally:
+        await server.scheduler.close()
+    nbytes = weights.nbytes()
+    del server, weights
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out, nbytes
+
+
+def engine(args) -> None:
+    import asyncio
+    sys.path.insert(0, str(REPO / "bench"))
+    from engine import QWEN2_05B  # bench/engine.py's 0.5B shape
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    shapes = {"qwen2-0.5b": QWEN2_05B, "qwen2-1.5b": QWEN2_15B, "tiny": TINY_QWEN2}
+    models = args.models or (["qwen2-0.5b", "qwen2-1.5b"] if cuda else ["tiny"])
+    args.batches = [int(b) for b in args.batches.split(",")] if args.batches else \
+        ([1, 64] if cuda else [1, 4])
+    args.prompt_len, args.n_short, args.n_long = (64, 16, 80) if cuda else (8, 4, 12)
+    modes = ["bf16", "fp8_gemm"]
+    skipped = None
+    if not cuda:
+        skipped = "FP8 GEMM needs CUDA (an H100/H200-class GPU): CPU smoke run, bf16 only"
+        modes = ["bf16"]
+        print(f"bench/quant.py --engine: {skipped}", file=sys.stderr, flush=True)
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    t0 = time.perf_counter()
+    tok_s, nbytes = {}, {}
+    for name in models:
+        path = _config_dir(name, shapes[name])
+        for mode in modes:
+            tok_s.setdefault(name, {})[mode], nbytes.setdefault(name, {})[mode] = \
+                asyncio.run(_engine_decode(path, device, mode, args))
+    speedup = {n: {b: round(r["fp8_gemm"][b] / r["bf16"][b], 3) for b in args.batches}
+               for n, r in tok_s.items() if "fp8_gemm" in r}
+    print(json.dumps({"bench": "quant_engine", "machine": machine(device), "device": str(device),
+                      "dtype": "bfloat16", "batches": args.batches, "prompt_len": args.prompt_len,
+                      "new_tokens": [args.n_short, args.n_long], "tok_per_s": tok_s,
+                      "fp8_speedup": speedup, "weights_bytes": nbytes, "fp8_skipped": skipped,
+                      "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
+
+
 def _run_one(fmt: str, seed: int, steps: int, out: Path) -> dict:
     name = f"quant_bench_{fmt}_s{seed}"
     run_dir = REPO / "runs" / name
@@ -180,12 +289,21 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--model-path", default=None)
     p.add_argument("--runs", action="store_true")
+    p.add_argument("--engine", action="store_true",
+                   help="embedded-engine decode tok/s, FP8 GEMM against BF16 (CPU: smoke, bf16 only)")
+    p.add_argument("--models", nargs="+", default=None, choices=["qwen2-0.5b", "qwen2-1.5b", "tiny"])
+    p.add_argument("--batches", default=None, help="--engine: comma-separated batch sizes")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--formats", nargs="+", default=RUN_FORMATS, choices=RUN_FORMATS)
     p.add_argument("--out", default=str(REPO / "runs" / "quant_bench" / "results.jsonl"))
     args = p.parse_args()
-    runs(args) if args.runs else micro(args)
+    if args.engine:
+        engine(args)
+    elif args.runs:
+        runs(args)
+    else:
+        micro(args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Start it (one process per engine; the model is an HF safetensors directory):
         [--tp-size N] [--max-prefill-tokens N] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--torch-threads N] \
         [--cuda-graph-precapture-kv N] [--prefill-interval-steps N] [--log-stats-interval-s S] \
         [--prefill-attention auto|varlen|sdpa] [--load-format auto|safetensors|dummy] \
+        [--quantization FMT] [--fp8-gemm auto|on|off] \
         [--inline-steps auto|all|prefill|none] \
         [--max-n 64] [--max-batch-size 1024] [--max-top-logprobs-num 64] \
         [--max-prompt-logprob-tokens 4096] [--max-stop 64] \
@@ -110,7 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None,
                    choices=["fp8", "mxfp8", "mxfp4", "nvfp4", "int4", "int4_asym"],
                    help="weight updates arrive quantized (SGLang names); dequantized on load, "
-                        "matmuls emulated in --dtype (miles/engines/embedded_engine/quantized.py)")
+                        "matmuls emulated in --dtype (miles/engines/embedded_engine/quantized.py), "
+                        "except what --fp8-gemm runs in FP8")
+    p.add_argument("--fp8-gemm", default="auto", choices=["auto", "on", "off"],
+                   help="with --quantization fp8: keep the dense linears' FP8 weights and block "
+                        "scales and run FP8 block-wise GEMMs (torch scaled_mm) for them; auto: on "
+                        "when a CUDA device in bfloat16 passes the GEMM probe, else emulated; on: "
+                        "refuse to start without it")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)

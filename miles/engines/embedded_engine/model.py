@@ -173,6 +173,9 @@ class Weights:
         self.alias_covers: dict[str, list[str]] = {}  # alias -> the checkpoint names it writes
         self.not_held: set[str] = set()  # tp > 1: experts other ranks hold (skipped on load)
         self.quant = None  # a quantized.QuantLoader with --quantization: takes quantized parts
+        # --fp8-gemm: checkpoint name -> quantized.FP8Rows, for the dense weights held in FP8 (their
+        # `names` entry is then a meta tensor: shape and dtype, no storage)
+        self.fp8: dict = {}
         self.names["model.embed_tokens.weight"] = self.embed
         self.names["model.norm.weight"] = self.final_norm
         if s.tie_word_embeddings:
@@ -270,6 +273,8 @@ class Weights:
 
     def lookup(self, name: str) -> torch.Tensor:
         """The storage a checkpoint/SGLang/transformers name writes to; KeyError names the field."""
+        if name in self.fp8:  # held in FP8: the dequantized value, computed on demand
+            return self.fp8[name].dequantized(self.dtype)
         if name in self.names:
             return self.names[name]
         if name in self.aliases:
@@ -298,7 +303,8 @@ class Weights:
         return sum(t.numel() for t in self.names.values())
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.names.values())
+        plain = sum(t.numel() * t.element_size() for n, t in self.names.items() if n not in self.fp8)
+        return plain + sum(r.weight.numel() + 4 * r.scale_inv.numel() for r in self.fp8.values())
 
 
 def check_tp_split(shape: ModelShape, tp: int) -> None:
@@ -481,6 +487,13 @@ class Model:
         x = w.embed[local.clamp(0, w.embed.shape[0] - 1)] * mine[:, None].to(w.embed.dtype)
         return self._reduce(x)
 
+    @staticmethod
+    def _linear(L, key: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense linears' one seam (q|k|v, o, gate|up, down): `L[key]` is a weight in the engine
+        dtype (F.linear) or, under --fp8-gemm, a quantized.FP8Linear (the FP8 block-wise GEMM)."""
+        w = L[key]
+        return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         # HF: normalise in fp32, cast back, then scale by the weight in the activation dtype.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps).to(x.dtype)
@@ -500,7 +513,7 @@ class Model:
         # q and k heads are normalised and rotated together (one set of kernels, not two): the
         # per-head math is identical, only the norm weights differ (applied on the two views).
         s = self.shape
-        qkv = F.linear(h, L["qkv_w"], L.get("qkv_b"))
+        qkv = self._linear(L, "qkv_w", h, L.get("qkv_b"))
         T, H, d = qkv.shape[0], s.num_heads, s.head_dim
         qk = qkv[:, :s.q_size + s.kv_size].view(T, H + s.num_kv_heads, d)
         v = qkv[:, s.q_size + s.kv_size:].view(T, s.num_kv_heads, d)
@@ -513,8 +526,8 @@ class Model:
 
     def _mlp(self, i: int, L, h: torch.Tensor, routing_out: list | None) -> torch.Tensor:
         if "router_w" not in L:
-            gate, up = F.linear(h, L["gate_up_w"]).chunk(2, dim=-1)
-            return self._reduce(F.linear(F.silu(gate) * up, L["down_w"]))
+            gate, up = self._linear(L, "gate_up_w", h).chunk(2, dim=-1)
+            return self._reduce(self._linear(L, "down_w", F.silu(gate) * up))
         s = self.shape
         logits = F.linear(h, L["router_w"])
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
@@ -566,8 +579,8 @@ class Model:
 
     def _o_proj(self, L, attn: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.linear(attn, L["o_w"], L.get("o_b"))
-        o = self._reduce(F.linear(attn, L["o_w"]))
+            return self._linear(L, "o_w", attn, L.get("o_b"))
+        o = self._reduce(self._linear(L, "o_w", attn))
         return o + L["o_b"] if "o_b" in L else o
 
     def _layer_end(self, i, L, x, attn, routing_out):

@@ -87,6 +87,7 @@ class RunnerConfig:
     load_format: str = "auto"        # "dummy": skip the checkpoint's weights (SGLang's flag)
     prefill_attention: str = "auto"  # auto | varlen (required) | sdpa
     quantization: str | None = None  # updates arrive in this miles.quant format (quantized.py)
+    fp8_gemm: str = "auto"           # auto | on | off: FP8 weights + FP8 GEMM for dense linears (fp8)
 
 
 def runner_config(args, device: str | None = None) -> RunnerConfig:
@@ -97,7 +98,8 @@ def runner_config(args, device: str | None = None) -> RunnerConfig:
                         cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
                         cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
                         mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format,
-                        quantization=args.quantization, prefill_attention=args.prefill_attention)
+                        quantization=args.quantization, prefill_attention=args.prefill_attention,
+                        fp8_gemm=getattr(args, "fp8_gemm", "auto"))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -129,9 +131,11 @@ class ModelRunner:
         self.model = Model(self.hf_config, self.device, self.dtype, max_positions=ctx, tp=self.tp)
         self.shape = self.model.full_shape  # the whole model (the KV pool holds this rank's heads)
         self.p2p = None  # (P2PGroup, EngineRank) once the engine joined a P2P weight group
+        from miles.engines.embedded_engine.quantized import QuantLoader, fp8_gemm_for
+        gemm = fp8_gemm_for(cfg.fp8_gemm, cfg.quantization, self.device, self.dtype) \
+            if cfg.quantization or cfg.fp8_gemm == "on" else None
         if cfg.quantization:
-            from miles.engines.embedded_engine.quantized import QuantLoader
-            self.model.weights.quant = QuantLoader(cfg.quantization, self.model.weights)
+            self.model.weights.quant = QuantLoader(cfg.quantization, self.model.weights, gemm=gemm)
         missing = [] if cfg.load_format == "dummy" else load_safetensors_dir(self.model.weights, model_path)
         if missing:
             raise ValueError(f"model_path {model_path!r}: checkpoint lacks {len(missing)} tensors, "
@@ -330,6 +334,9 @@ class ModelRunner:
             raise ValueError(f"p2p plan: engine tp={plan.engine.tp} != this engine's "
                              f"--tp-size {self.tp.size if self.tp is not None else 1}")
         w = self.model.weights
+        if w.fp8:
+            raise ValueError("p2p: this engine holds its dense linears in FP8 (--fp8-gemm) and P2P "
+                             "writes high-precision tensors in place; start it with --fp8-gemm off")
         shards = {}
         for t, spec in enumerate(plan.specs):
             box = plan.engine_boxes[t][rank]
