@@ -43,7 +43,7 @@ ALIGNED = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, nu
 def make_runner(fp8_gemm: str):
     from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
     path = build_tiny_model(arch="qwen2", **ALIGNED)
-    cfg = RunnerConfig(device="cuda", dtype="bfloat16", max_running_requests=16,
+    cfg = RunnerConfig(device="cuda", dtype="bfloat16", max_running_requests=32,
                        max_total_tokens=8192, context_length=512, cuda_graph_precapture_kv=0,
                        quantization="fp8", fp8_gemm=fp8_gemm)
     return path, ModelRunner(str(path), cfg)
