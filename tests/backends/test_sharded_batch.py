@@ -166,7 +166,7 @@ def test_megatron_trains_the_same_from_shards_as_from_the_whole_batch(sizes, tmp
 
 def run_quickstart(tmp_path: Path, name: str, trainer_ranks: int, timeout_s: float = 300) -> list[dict]:
     out = tmp_path / name
-    sets = ["loop.num_steps=3", "loop.eval_every=0", "loop.save_every=0", 'eval.mode="off"',
+    sets = ["loop.num_steps=3", "sft.steps=5", "loop.eval_every=0", "loop.save_every=0", 'eval.mode="off"',
             "loop.groups_per_step=4", 'buffer.filter="none"', 'loop.mode="sync"',
             f"run.output_dir={json.dumps(str(out))}", f"run.name={json.dumps(name)}",
             "logging.progress=false", f"cluster.head_port={free_port()}",
@@ -193,6 +193,7 @@ def run_quickstart(tmp_path: Path, name: str, trainer_ranks: int, timeout_s: flo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two real runs, each up to its own 300 s deadline on a loaded machine
 def test_the_loop_sends_shards_to_two_trainer_ranks(tmp_path):
     """The real driver, actors and wire: two FSDP ranks trained from their shards report the
     global batch, the same batches as one rank trained whole (sync mode is deterministic)."""
