@@ -40,7 +40,7 @@ from miles.quant.config import QuantConfig
 from miles.rl.config import (AgentConfig, BufferConfig, Count, DataConfig, EngineConfig, EvalConfig,
                              LoggingConfig, LoopConfig, ModelConfig, NonNegative, Positive,
                              RolloutConfig, SandboxConfig, Seconds, SessionConfig,
-                             SFTConfig)
+                             SFTConfig, TeacherConfig)
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 
@@ -116,6 +116,7 @@ class Recipe(Base):
     session: SessionConfig = _section(SessionConfig)
     buffer: BufferConfig = _section(BufferConfig)
     engine: EngineConfig = _section(EngineConfig)
+    teacher: TeacherConfig = _section(TeacherConfig)   # on-policy distillation's teacher engines
     train: TrainConfig = _section(TrainConfig)
     algo: LossConfig = _section(LossConfig)
     eval: EvalConfig = _section(EvalConfig)

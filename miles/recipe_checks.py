@@ -55,6 +55,7 @@ def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     if recipe.data.source:
         _callable(source, "data.source", recipe.data.source, "the recipe")
     _check_model(recipe, source)
+    _check_teacher(recipe, source)
     _check_choices_and_paths(recipe, source)
 
     placed = with_default_actors(recipe).actors
@@ -200,6 +201,55 @@ def _check_model(recipe: Recipe, source: str) -> None:
             raise bad_value(source, key, path, f"expected an HF model directory; it {what}")
     if recipe.rollout.r3:
         _check_moe(recipe, source)
+
+
+def _check_teacher(recipe: Recipe, source: str) -> None:
+    """On-policy distillation's teacher: on the trainer (`train.teacher_model_path`) or on the
+    rollout side (`[teacher]`), exactly one of them when `algo.opd_kl_coef > 0`, none otherwise."""
+    teacher, train, algo = recipe.teacher, recipe.train, recipe.algo
+    on_rollout = bool(teacher.path or teacher.tiny)
+    key = "teacher.path" if teacher.path or not teacher.tiny else "teacher.tiny"
+    value = teacher.path or teacher.tiny
+    if not on_rollout:
+        if algo.opd_kl_coef > 0 and algo.loss_type == "policy" and not train.teacher_model_path \
+                and not train.teacher_from_samples:
+            raise bad_value(source, "algo.opd_kl_coef", algo.opd_kl_coef,
+                            "distils from a teacher: set train.teacher_model_path (a trainer-side "
+                            "teacher) or teacher.path / teacher.tiny (teacher engines on the rollout side)")
+        return
+    if train.teacher_model_path:
+        raise bad_value(source, "train.teacher_model_path", train.teacher_model_path,
+                        "expected '' with [teacher] set (teacher.path / teacher.tiny): the teacher "
+                        "is on the rollout side (one teacher, one place)")
+    if not (algo.opd_kl_coef > 0 and algo.loss_type == "policy"):
+        raise bad_value(source, key, value, f"expected algo.opd_kl_coef > 0 (it is {algo.opd_kl_coef}): "
+                        "the teacher engines' log-probs would train nothing")
+    if recipe.rollout.temperature != 1.0:
+        raise bad_value(source, "rollout.temperature", recipe.rollout.temperature,
+                        "expected 1.0 with [teacher] set: the teacher engines' prompt log-probs "
+                        "are of the raw logits, the student's of logits / temperature")
+    if teacher.engine.kind == "embedded" and recipe.rollout.max_new_tokens >= teacher.engine.context_length:
+        raise bad_value(source, "teacher.engine.context_length", teacher.engine.context_length,
+                        f"expected > rollout.max_new_tokens ({recipe.rollout.max_new_tokens}): the "
+                        "teacher scores prompt + response")
+    if teacher.path:
+        if not (Path(teacher.path) / "config.json").is_file():
+            what = "does not exist" if not Path(teacher.path).exists() else "has no config.json"
+            raise bad_value(source, "teacher.path", teacher.path, f"expected an HF model directory; it {what}")
+        teacher_vocab = json.loads((Path(teacher.path) / "config.json").read_text()).get("vocab_size")
+    else:
+        from miles.tiny import ARCH_CONFIGS
+        if teacher.tiny not in ARCH_CONFIGS:
+            raise bad_value(source, "teacher.tiny", teacher.tiny,
+                            f"expected one of {', '.join(sorted(ARCH_CONFIGS))}")
+        teacher_vocab = teacher.tiny_overrides.get("vocab_size")
+    model = recipe.model
+    student_vocab = (json.loads((Path(model.path) / "config.json").read_text()).get("vocab_size")
+                     if model.path and (Path(model.path) / "config.json").is_file()
+                     else model.tiny_overrides.get("vocab_size"))
+    if teacher_vocab is not None and student_vocab is not None and teacher_vocab != student_vocab:
+        raise bad_value(source, key, value, f"vocab_size {teacher_vocab} differs from the student's "
+                        f"{student_vocab}: distillation needs the same tokenizer")
 
 
 def _check_moe(recipe: Recipe, source: str) -> None:

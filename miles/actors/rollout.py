@@ -40,6 +40,10 @@ Design decisions:
   step: `miles.envs.function`), and the worker class itself (`rollout.worker`; `generate_sample`
   is the one engine call of the built-in path). An episode may return several samples (a
   trajectory tree): a group is then larger than `n_samples_per_prompt`.
+- On-policy distillation with the teacher on the rollout side (`[teacher]`): every finished
+  sample is scored by the teacher fleet (`miles.rl.teacher_scores`: its prompt log-probs of the
+  response tokens) inside the episode's slot, before its group goes to the buffer. A failed
+  scoring marks that sample failed with the error, like an engine error.
 - For `rollout.function`: `generate_group(prompt, attempt)` runs the configured per-sample path
   for one prompt (scored, not put into the buffer); `env` (an `EpisodeEnv`: engine, tokenizer,
   sandbox pool, sessions) and `sampling_for(prompt_index, sample_index, attempt)` are what a
@@ -120,6 +124,7 @@ class RolloutWorker(Actor):
         self._reserves = 0
         self._loop_task: asyncio.Task | None = None
         self._env: EpisodeEnv | None = None
+        self.teacher = None                 # a TeacherScorer with [teacher], else None
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
         self.engine_idle_s = 0.0
@@ -151,6 +156,10 @@ class RolloutWorker(Actor):
         self.reward_fn = load_function(self.cfg.reward, "rollout.reward")
         self.buffer = self.runtime.ref("buffer")
         self.semaphore = asyncio.Semaphore(self.cfg.max_inflight_samples)
+        if r.teacher.path:
+            from miles.rl.teacher_scores import TeacherScorer
+            self.teacher = TeacherScorer(self.runtime.ref("teacher_engines"), r, self.model_path)
+            await self.teacher.open()
         self._env = await EpisodeEnv.open(r, engines, self.client, self.tokenizer, role="rollout",
                                           incarnation=self.incarnation, retry=self._retrying,
                                           reward_fn=self.reward_fn)
@@ -165,6 +174,8 @@ class RolloutWorker(Actor):
             await self._env.close()
         if hasattr(self, "client"):
             await self.client.close()
+        if self.teacher is not None:
+            await self.teacher.close()
 
     # ----- control -----------------------------------------------------------------------------
 
@@ -388,6 +399,8 @@ class RolloutWorker(Actor):
                 samples = [sample]
             finally:
                 self._busy(-1)
+            if self.teacher is not None:
+                await asyncio.gather(*(self._teacher_score(s) for s in samples if s.status != "failed"))
         for s in samples:
             self.counts["samples"] += 1
             if s.status == "failed":
@@ -398,6 +411,12 @@ class RolloutWorker(Actor):
                 except ValueError:
                     pass  # a dict reward without train.reward_key: the trainer names the problem
         return samples
+
+    async def _teacher_score(self, sample: Sample) -> None:
+        try:
+            await self.teacher.score(sample)
+        except Exception as e:  # a teacher failure is this sample's, never the run's
+            sample.status, sample.metadata["error"] = "failed", f"teacher: {type(e).__name__}: {e}"
 
     async def _retrying(self, call):
         """`await call()`, retried (same input, same seed) on transient engine errors with back-off."""
@@ -507,6 +526,8 @@ class RolloutWorker(Actor):
                     "rollout/admission_paused_s": self.admission_paused_s})
         if self.recent_rewards:  # every sample, before the buffer's filter (the batch is biased)
             out["rollout/reward_recent"] = sum(self.recent_rewards) / len(self.recent_rewards)
+        if self.teacher is not None:
+            out.update(self.teacher.metrics())
         if self._env is not None:
             out.update(self.env.metrics.values())
             out.update(self.env.pool_values())

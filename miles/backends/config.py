@@ -109,6 +109,9 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     critic_lr_decay_steps: int = 0
     # --- on-policy distillation (algo.opd_kl_coef > 0; miles/backends/teacher.py) ---
     teacher_model_path: str = ""    # frozen teacher scoring every response token (same tokenizer)
+    # the teacher is on the rollout side ([teacher], set at launch): no trainer-side teacher is
+    # built, and every trained sample must carry Sample.teacher_logprobs
+    teacher_from_samples: bool = False
     lora: LoraConfig | None = None  # [train.lora]: train LoRA adapters only; engines get merged weights
 
     # --- precision ---

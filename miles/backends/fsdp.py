@@ -86,8 +86,8 @@ from miles.backends.packing import PackedMicroBatch, plan_batch
 from miles.backends.policy import PackedPolicy
 from miles.backends.router_replay import (RouterReplay, agree_on_routing, finish_routing_metrics,
                                           micro_batch_routing, routed)
-from miles.backends.teacher import (carried_teacher_logprobs, check_teacher_config, check_teacher_vocab,
-                                    teacher_reverse_kl, uses_teacher)
+from miles.backends.teacher import (builds_teacher, carried_teacher_logprobs, check_teacher_config,
+                                    check_teacher_vocab, teacher_reverse_kl, uses_teacher)
 from miles.weights.base import WeightTransport
 from miles.wire.messages import BatchIndex, Sample
 
@@ -149,7 +149,7 @@ class FSDPBackend(TrainingBackend):
         self.vocab_size = int(self.policy.lm.config.vocab_size)
         self.critic = self._build_critic(config) if uses_critic(loss) else None  # PPO (critic.py)
         check_teacher_config(config, loss)
-        self.teacher = self._build(config.teacher_model_path, trainable=False) if uses_teacher(loss) else None
+        self.teacher = self._build(config.teacher_model_path, trainable=False) if builds_teacher(config, loss) else None
         if self.teacher is not None:
             check_teacher_vocab(int(self.teacher.lm.config.vocab_size), self.vocab_size, config.teacher_model_path)
         # R3: MoE routers are patched whenever the model has them (agreement is measured whenever
@@ -211,7 +211,7 @@ class FSDPBackend(TrainingBackend):
             raise ValueError(f"phase {phase.name!r}: train.model_path = {phase.config.model_path!r}, but the "
                              f"backend was built from {self.cfg.model_path!r}; a phase cannot change the model")
         _check_loss(phase.loss)
-        if (uses_critic(phase.loss) and self.critic is None) or (uses_teacher(phase.loss) and self.teacher is None):
+        if (uses_critic(phase.loss) and self.critic is None) or (builds_teacher(phase.config, phase.loss) and self.teacher is None):
             raise ValueError(f"phase {phase.name!r}: its loss needs a {'critic' if uses_critic(phase.loss) else 'teacher'}"
                              " (advantage_estimator='ppo' / opd_kl_coef > 0), which init did not build")
         if self.ref is None and _needs_ref(phase.loss):
@@ -337,7 +337,7 @@ class FSDPBackend(TrainingBackend):
             aux["values"] = self.critic.values(mbs)
         if uses_teacher(loss_cfg):
             # the rollout's teacher engine scored the samples already, or the trainer's teacher does
-            aux["teacher"] = (carried_teacher_logprobs(batch, mbs, self.device)
+            aux["teacher"] = (carried_teacher_logprobs(batch, mbs, self.device, required=self.teacher is None)
                               or self._no_grad_logprobs(self.teacher, mbs, [None] * len(mbs), None, False))
             aux["student"] = old if old is not None else [mb.rollout_logprobs for mb in mbs]
         return aux

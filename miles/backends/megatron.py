@@ -46,9 +46,9 @@ Design decisions:
   forward-only pass like the reference's; both go through train_common's
   `advantages_and_returns(student=, teacher=)` as in FSDP. Metrics as FSDP's: value_loss,
   value_clipfrac, explained_variance, critic_grad_norm, critic_lr, critic_step, teacher_reverse_kl.
-  As in FSDP, init still builds the teacher (`train.teacher_model_path` is required) even when the
-  samples will carry their log-probs; R3 replays the policy's routing only (not the critic's or
-  the teacher's).
+  As in FSDP, init builds the teacher (`train.teacher_model_path` is required) unless the rollout
+  side scores every sample (`[teacher]`, `train.teacher_from_samples`); R3 replays the policy's
+  routing only (not the critic's or the teacher's).
 - Refused: LoRA (`train.lora`; FSDP only for now) and context parallelism (below).
 - Transformer Engine is not required (local spec); context parallelism needs it and is refused.
 - R3 (`train.router_replay`): megatron-core's RouterReplay per MoE layer, per model
@@ -81,7 +81,7 @@ from miles.backends.offload import HostOffload
 from miles.backends.optim import lr_at
 from miles.backends.packing import PackedMicroBatch, plan_batch
 from miles.backends.router_replay import agree_on_routing, micro_batch_routing
-from miles.backends.teacher import uses_teacher
+from miles.backends.teacher import builds_teacher, uses_teacher
 from miles.weights.base import WeightTransport
 from miles.wire.messages import BatchIndex, Sample
 
@@ -236,7 +236,7 @@ class MegatronBackend(TrainingBackend):
             raise ValueError(f"phase {phase.name!r}: train.model_path = {phase.config.model_path!r}, but the "
                              f"backend was built from {self.cfg.model_path!r}; a phase cannot change the model")
         train_common.check_loss(phase.loss, "Megatron", critic=True, teacher=True)
-        if (uses_critic(phase.loss) and self.critic is None) or (uses_teacher(phase.loss) and self.teacher_chunks is None):
+        if (uses_critic(phase.loss) and self.critic is None) or (builds_teacher(phase.config, phase.loss) and self.teacher_chunks is None):
             raise ValueError(f"phase {phase.name!r}: its loss needs a {'critic' if uses_critic(phase.loss) else 'teacher'}"
                              ", which init did not build (init's loss did not use one)")
         if self.ref_chunks is None and train_common.needs_ref(phase.loss):

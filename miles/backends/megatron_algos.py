@@ -21,8 +21,8 @@ from miles.backends.batch import CheckedBatch
 from miles.backends.config import TrainConfig
 from miles.backends.critic import explained_variance, uses_critic
 from miles.backends.packing import PackedMicroBatch
-from miles.backends.teacher import (carried_teacher_logprobs, check_teacher_config, check_teacher_vocab,
-                                    teacher_reverse_kl, uses_teacher)
+from miles.backends.teacher import (builds_teacher, carried_teacher_logprobs, check_teacher_config,
+                                    check_teacher_vocab, teacher_reverse_kl, uses_teacher)
 
 
 def build_aux_models(backend, config: TrainConfig, loss: LossConfig):
@@ -33,7 +33,7 @@ def build_aux_models(backend, config: TrainConfig, loss: LossConfig):
     check_teacher_config(config, loss)
     critic = MegatronCritic(backend, config) if uses_critic(loss) else None
     teacher = None
-    if uses_teacher(loss):
+    if builds_teacher(config, loss):
         check_teacher_vocab(int(load_hf_config(config.teacher_model_path).vocab_size), backend.vocab_size,
                             config.teacher_model_path)
         teacher = backend._build(config.teacher_model_path, trainable=False)
@@ -54,7 +54,8 @@ def aux_passes(backend, batch: CheckedBatch, flat: list[PackedMicroBatch], lengt
         if last:
             aux["values"] = values
     if uses_teacher(loss_cfg):
-        teacher = carried_teacher_logprobs(batch, flat, backend.device)   # the rollout's teacher engine
+        teacher = carried_teacher_logprobs(batch, flat, backend.device,   # the rollout's teacher engine
+                                           required=backend.teacher_chunks is None)
         if teacher is None:
             teacher = backend._no_grad_logprobs(backend.teacher_chunks, flat, lengths)
         if last:

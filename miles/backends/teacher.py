@@ -16,7 +16,9 @@ Design decisions:
   a teacher engine on the rollout side): when EVERY sample of the batch carries them, both
   backends use them as they are and skip the trainer-side teacher pass (`carried_teacher_logprobs`);
   a batch where only some samples carry them is scored by the trainer's teacher as a whole, so one
-  batch never mixes two teachers.
+  batch never mixes two teachers. With the teacher only on the rollout side (`[teacher]`, which
+  sets `train.teacher_from_samples`) no trainer-side teacher is built, and a batch whose samples
+  do not all carry them is refused by name.
 - `teacher_reverse_kl` is the token mean of that estimate over every rank's trained tokens, measured
   before the update: the quantity distillation drives down.
 """
@@ -35,10 +37,16 @@ def uses_teacher(loss: LossConfig) -> bool:
     return loss.loss_type == "policy" and loss.opd_kl_coef > 0
 
 
+def builds_teacher(cfg: TrainConfig, loss: LossConfig) -> bool:
+    """Whether init builds the trainer-side teacher (not when the rollout side scores the samples)."""
+    return uses_teacher(loss) and not cfg.teacher_from_samples
+
+
 def check_teacher_config(cfg: TrainConfig, loss: LossConfig) -> None:
-    if uses_teacher(loss) and not cfg.teacher_model_path:
+    if builds_teacher(cfg, loss) and not cfg.teacher_model_path:
         raise ValueError(f"algo.opd_kl_coef = {loss.opd_kl_coef} distils from a teacher, but "
-                         "train.teacher_model_path is empty; name the teacher's HF directory")
+                         "train.teacher_model_path is empty; name the teacher's HF directory "
+                         "(or serve the teacher on the rollout side: [teacher])")
 
 
 def check_teacher_vocab(teacher_vocab: int, student_vocab: int, path: str) -> None:
@@ -59,13 +67,21 @@ def teacher_reverse_kl(student: list[torch.Tensor], teacher: list[torch.Tensor],
     return total / count if count else 0.0
 
 
-def carried_teacher_logprobs(batch, mbs, device: torch.device) -> list[torch.Tensor] | None:
+def carried_teacher_logprobs(batch, mbs, device: torch.device,
+                             required: bool = False) -> list[torch.Tensor] | None:
     """The samples' own teacher log-probs laid out like each micro-batch's response tokens (float32;
-    zeros for a dummy micro-batch), or None unless every sample of `batch` carries them. The
-    model-parallel peers of a rank hold the same samples and decide alike; the teacher pass has no
-    data-parallel collective, so DP ranks may decide differently."""
+    zeros for a dummy micro-batch), or None unless every sample of `batch` carries them (`required`:
+    there is no trainer-side teacher to fall back on, so that is an error). The model-parallel
+    peers of a rank hold the same samples and decide alike; the teacher pass has no data-parallel
+    collective, so DP ranks may decide differently."""
     samples = batch.samples
-    if not samples or any(s.teacher_logprobs is None for s in samples):
+    missing = [s for s in samples if s.teacher_logprobs is None]
+    if required and missing:
+        raise ValueError(f"{len(missing)} of {len(samples)} samples carry no teacher_logprobs (the "
+                         f"first: {missing[0].rollout_id!r}), and there is no trainer-side teacher "
+                         "(train.teacher_from_samples = true: the rollout's teacher engines score "
+                         "every sample)")
+    if not samples or missing:
         return None
     out = []
     for mb in mbs:

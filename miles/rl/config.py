@@ -166,6 +166,20 @@ class EngineConfig(Section):
                                           # longer life starts the count again (crash loops, not kills)
 
 
+class TeacherConfig(Section):
+    """`[teacher]`: on-policy distillation's teacher on the rollout side. A frozen model served by
+    engines of its own (`[teacher.engine]`, started and supervised like the policy's, never sent
+    weights); the rollout worker scores every finished sample with it (the engines' prompt
+    log-probs of the response tokens, `Sample.teacher_logprobs`) before the sample goes to the
+    buffer, and the trainer builds no teacher. On when `path` or `tiny` is set; it replaces
+    `train.teacher_model_path` (set one of the two) and needs `algo.opd_kl_coef > 0`."""
+    path: str = ""                    # the teacher's HF directory (the student's vocabulary)
+    tiny: str = ""                    # or build one offline, like model.tiny (model.tokenizer_vocab)
+    tiny_overrides: dict[str, int | float | bool | str] = {}  # e.g. {num_hidden_layers = 4}
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)  # the teacher's engines (num_engines, device, dtype, ...)
+    request_timeout_s: Seconds = 600.0  # one scoring request (transient errors are retried for rollout.engine_retry_s)
+
+
 class EvalConfig(Section):
     mode: Literal["shared", "fleet", "external", "off"] = "shared"
     n_prompts: Count = 0              # 0: the whole eval set

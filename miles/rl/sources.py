@@ -1,6 +1,7 @@
 """Preparing a recipe's inputs: the model directory, the data files, the tokenizer, data sources.
 
-`prepare_recipe` runs once per node before any actor starts: it builds the tiny model and the
+`prepare_recipe` runs once per node before any actor starts: it builds the tiny model (and a tiny
+`[teacher]`, which also marks the trainer teacher-less: `train.teacher_from_samples`) and the
 synthetic task when the recipe asks for them (offline, cached), and fills in the paths every
 actor then reads from the resolved recipe (`model.path`, `train.model_path`, `data.*`).
 """
@@ -27,6 +28,14 @@ def prepare_recipe(recipe):
             arch=model.tiny, seed=recipe.run.seed, tokenizer_dir=tok, **model.tiny_overrides)))
     if model.path and not train.model_path:
         train = msgspec.structs.replace(train, model_path=model.path)
+    teacher = recipe.teacher
+    if teacher.tiny and not teacher.path:  # the student's tokenizer, so token ids agree
+        from miles.tiny import build_tiny_model, build_tokenizer
+        tok = build_tokenizer(vocab_size=model.tokenizer_vocab)
+        teacher = msgspec.structs.replace(teacher, path=str(build_tiny_model(
+            arch=teacher.tiny, seed=recipe.run.seed, tokenizer_dir=tok, **teacher.tiny_overrides)))
+    if teacher.path:  # the rollout's teacher engines score every sample: no trainer-side teacher
+        train = msgspec.structs.replace(train, teacher_from_samples=True)
     if data.task and not data.path:
         from miles.rl.tasks import make_task
         out = Path(recipe.output_dir) / "data"
@@ -34,7 +43,8 @@ def prepare_recipe(recipe):
         data = msgspec.structs.replace(
             data, path=str(out / "train.jsonl"), eval_path=data.eval_path or str(out / "test.jsonl"),
             sft_path=data.sft_path or (str(out / "sft.jsonl") if (out / "sft.jsonl").exists() else ""))
-    return with_default_actors(msgspec.structs.replace(recipe, model=model, data=data, train=train))
+    return with_default_actors(msgspec.structs.replace(recipe, model=model, data=data, train=train,
+                                                       teacher=teacher))
 
 
 @lru_cache(maxsize=4)
@@ -64,6 +74,7 @@ RL_ROLES = {
     "trainer": ("miles.actors.trainer:Trainer", {"distributed": True}),
     "evaluator": ("miles.actors.evaluator:Evaluator", {}),
 }
+TEACHER_ROLE = ("teacher_engines", "miles.actors.teacher_fleet:TeacherFleet")  # with [teacher] only
 
 
 def with_default_actors(recipe):
@@ -75,7 +86,10 @@ def with_default_actors(recipe):
                                                         and not any(k in recipe.actors for k in RL_ROLES)):
         return recipe
     actors = dict(recipe.actors)
-    for role, (cls, extra) in RL_ROLES.items():
+    roles = dict(RL_ROLES)
+    if recipe.teacher.path or recipe.teacher.tiny:
+        roles[TEACHER_ROLE[0]] = (TEACHER_ROLE[1], {})
+    for role, (cls, extra) in roles.items():
         if role == "rollout":
             cls = recipe.rollout.worker
         if role not in actors:
@@ -84,6 +98,9 @@ def with_default_actors(recipe):
                 # CPU engines and the trainer share the cores: give the trainer what the engines
                 # leave, or OpenMP's spinning threads fight the engines (training ran 5x slower).
                 engine_threads = recipe.engine.num_engines * recipe.engine.torch_threads
+                t = recipe.teacher.engine
+                if (recipe.teacher.path or recipe.teacher.tiny) and t.device == "cpu" and t.kind == "embedded":
+                    engine_threads += t.num_engines * t.torch_threads
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) - engine_threads))
             actors[role] = ActorSpec(cls=cls, env=env, **extra)
     return msgspec.structs.replace(recipe, actors=actors)

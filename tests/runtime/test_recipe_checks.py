@@ -103,7 +103,8 @@ def cluster_overrides(tmp_path) -> list[str]:
 
 # recipes whose model is built by a script first (their header says which): a tiny stand-in here
 PREBUILT = {"opd_quickstart": ["model.tiny=''", "train.teacher_model_path={tiny!r}", "model.path={tiny!r}"],
-            "lora_quickstart": ["model.tiny=''", "model.path={tiny!r}"]}
+            "lora_quickstart": ["model.tiny=''", "model.path={tiny!r}"],
+            "opd_engine_quickstart": ["teacher.path={tiny!r}"]}
 
 
 def test_every_shipped_and_test_recipe_still_passes(tmp_path):
