@@ -11,6 +11,11 @@ Design decisions:
   main param and Adam moment becomes a ShardedTensor with its parameter's sharding under
   `optimizer.<state>.<param key>` (megatron's `make_sharded_optimizer_tensor`); Adam's step count
   is one number per optimizer, kept with the common (rank-0) state.
+- megatron's DistributedOptimizer over torch's Adam (CUDA without TE/apex FusedAdam) cannot load
+  into a never-stepped optimizer as shipped (0.16, 0.19): `init_distributed_adam_state` gives it
+  Adam's zero state first, and `adam_step_kept_while_loading` lets its parameter-state copy skip
+  the `step` it takes from the param groups (tests/backends/test_megatron_checkpoint_distopt.py
+  runs that path on gloo).
 - A checkpoint written by one optimizer kind is not loaded by the other (their key sets differ);
   the mismatch surfaces as dist_checkpointing's missing-key error, prefixed with our context.
 - Everything else of the checkpoint contract is the backend's: trainer_state.json (step,
@@ -23,10 +28,11 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,11 +159,79 @@ def restore_local_adamw(opt, loaded: dict[str, Any]) -> None:
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _distributed_torch_adams(optimizer) -> list:
+    """The parts of a megatron optimizer that are a DistributedOptimizer over torch's Adam/AdamW
+    (megatron's fallback when neither TE nor apex provides FusedAdam)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(part, DistributedOptimizer)
+            and isinstance(getattr(part, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def init_distributed_adam_state(optimizer) -> None:
+    """Give every parameter of a never-stepped torch Adam inside megatron's DistributedOptimizer
+    the state Adam starts from: zero moments and step 0.
+
+    Without TE/apex's FusedAdam, `DistributedOptimizer.state_dict()` (megatron-core 0.16 and 0.19)
+    reads Adam's step from the per-parameter state and asserts it finds exactly one value, and
+    `sharded_state_dict()` calls it, when loading too. A freshly built optimizer has no state yet,
+    so loading a checkpoint into it (or saving before the first step) failed there. (With TE's or
+    apex's FusedAdam, Megatron-LM's usual optimizer, the step lives in the param groups.) A loaded checkpoint overwrites these values; an unloaded one steps exactly as a fresh Adam."""
+    for part in _distributed_torch_adams(optimizer):
+        inner = part.optimizer
+        for group in inner.param_groups:
+            # where torch's Adam keeps `step`: on the parameter's device only if fused or capturable
+            step_device = None if (group.get("fused") or group.get("capturable")) else "cpu"
+            for p in group["params"]:
+                state = inner.state[p]
+                if state:
+                    continue
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device or p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+@contextlib.contextmanager
+def adam_step_kept_while_loading(optimizer) -> Iterator[None]:
+    """Let megatron's DistributedOptimizer load its parameter state into torch's Adam.
+
+    Its `load_state_dict` first sets every Adam state's `step` from the checkpoint's param groups,
+    then copies the per-parameter tensors in (`_set_main_param_and_optimizer_states`, megatron-core
+    0.16 and 0.19) for every tensor in the Adam state, `step` included, from a dict that never has
+    `step` (the loaders skip it: it came from the param groups), so it raised KeyError('step').
+    Here, for torch-Adam parts only and for the duration of one load, that copy keeps the `step`
+    already set: the loaded one."""
+    patched = []
+    for part in _distributed_torch_adams(optimizer):
+        getter = getattr(part, "_get_main_param_and_optimizer_states", None)
+        setter = getattr(part, "_set_main_param_and_optimizer_states", None)
+        if getter is None or setter is None:
+            continue
+
+        def set_states(model_param, tensors, _get=getter, _set=setter):
+            current = _get(model_param)
+            if "step" in current and "step" not in tensors:
+                tensors = {**tensors, "step": current["step"]}
+            return _set(model_param, tensors)
+
+        part._set_main_param_and_optimizer_states = set_states   # instance attribute: this object only
+        patched.append(part)
+    try:
+        yield
+    finally:
+        for part in patched:
+            del part._set_main_param_and_optimizer_states
+
+
 def sharded_state(chunks: Sequence[torch.nn.Module], opt, *, is_loading: bool = False) -> dict[str, Any]:
     """The whole sharded state of one model + its optimizer."""
     model_sd = model_sharded_state_dict(chunks)
     if hasattr(opt, "mains"):
         return {**model_sd, OPTIM_PREFIX: local_adamw_sharded_state_dict(opt, model_sd)}
+    init_distributed_adam_state(opt.optimizer)
     return {**model_sd, OPTIM_PREFIX: opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                        metadata=OPTIM_METADATA)}
 
@@ -194,4 +268,5 @@ def load(chunks: Sequence[torch.nn.Module], opt, directory: str | Path) -> None:
     if hasattr(opt, "mains"):
         restore_local_adamw(opt, loaded[OPTIM_PREFIX])
     else:
-        opt.optimizer.load_state_dict(loaded[OPTIM_PREFIX])
+        with adam_step_kept_while_loading(opt.optimizer):
+            opt.optimizer.load_state_dict(loaded[OPTIM_PREFIX])

@@ -270,9 +270,17 @@ class _RMSNorm(torch.nn.RMSNorm):
     finalize_model_grads uses to all-reduce that gradient over the TP group."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype,
-                         device="cpu" if config.use_cpu_initialization else None)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=param_device(config))
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def param_device(config) -> torch.device:
+    """Where megatron's own layers put a new parameter: the CPU under `use_cpu_initialization`, else
+    the current CUDA device. (With device=None a norm lands on torch's default device, the CPU,
+    next to megatron's CUDA linears: the H200 run's "weight is on cpu" in input_layernorm.)"""
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def block_spec(config, train_cfg: TrainConfig):
@@ -330,6 +338,12 @@ def build_gpt_model(hf_config, train_cfg: TrainConfig, *, pre_process: bool | No
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=_rope_theta(hf),
         rope_scaling=rope_scaling, rope_scaling_factor=rope_factor)
+    if not config.use_cpu_initialization:
+        # As Megatron-LM's get_model does: a few megatron modules create their parameters on the
+        # CPU whatever the config says (the MoE router's gate; it moves itself to the GPU lazily, in
+        # its first forward, behind any optimizer's back). `.cuda()` keeps the Parameter objects and
+        # their TP marks.
+        model.cuda(torch.cuda.current_device())
     model.miles_vocab_size = hf.vocab_size
     model.miles_hf_config = hf
     return model

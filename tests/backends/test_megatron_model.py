@@ -67,6 +67,24 @@ def test_refusals_name_the_field():
         make_packed_seq_params([3, 0])
 
 
+def test_norms_are_built_where_megatron_builds_its_layers(monkeypatch):
+    """Our RMSNorm is not one of megatron's layers, so it must pick their device itself: on a CUDA
+    host without use_cpu_initialization that is the current GPU (torch's default, the CPU, left the
+    norms behind while every linear was on cuda:0)."""
+    from types import SimpleNamespace
+
+    from miles.backends import megatron_model
+
+    cfg = SimpleNamespace(use_cpu_initialization=False, params_dtype=torch.float32, sequence_parallel=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert megatron_model.param_device(cfg) == torch.device("cuda", 3)
+    assert megatron_model.param_device(SimpleNamespace(use_cpu_initialization=True)) == torch.device("cpu")
+    monkeypatch.setattr(megatron_model, "param_device", lambda config: torch.device("meta"))
+    norm = megatron_model._RMSNorm(cfg, 16, eps=1e-6)
+    assert norm.weight.device.type == "meta" and norm.weight.sequence_parallel
+
+
 def test_packed_core_attention_is_per_sample_causal():
     from miles.backends.megatron_model import packed_core_attention_class
     config = transformer_config_from_hf(build_tiny_model(arch="qwen3"), _cfg())

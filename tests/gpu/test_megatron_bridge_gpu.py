@@ -32,7 +32,9 @@ def _model(path, dtype: str):
     from miles.backends.megatron_model import build_gpt_model
     from miles.backends.megatron_weights import load_hf_into
     model = build_gpt_model(path, TrainConfig(backend="megatron", param_dtype=dtype))
-    assert next(model.parameters()).is_cuda
+    # every parameter, not just the first: a module built on torch's default device (the CPU)
+    # next to megatron's CUDA ones only fails later, inside forward
+    assert [n for n, p in model.named_parameters() if not p.is_cuda] == []
     load_hf_into(model, path)
     return model.eval()
 
