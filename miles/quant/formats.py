@@ -18,6 +18,9 @@ Formats (all quantize 2-D weights [out, in] along the input dim, the GEMM's cont
 Design decisions:
 - `dequantize` computes in fp32 and casts once at the end, so the trainer's check
   (dequantize(q, fp32).to(dtype)) and the engine's load (dequantize(q, dtype)) are the same bits.
+- Device-independent: a CUDA trainer and a CPU engine (or the reverse) compute the same bits.
+  Every op is exact or correctly rounded in fp32 (abs, amax, IEEE division and multiplication,
+  round-half-even casts); scales divide by tensors, never by Python numbers (see `_div`).
 - FP8 block-wise is DeepSeek-V3's / SGLang's checkpoint layout: `weight_scale_inv` is the
   multiplier (w = q * s), [ceil(N/128), ceil(K/128)]; s = max(amax, 1e-10) / 448 and q =
   clamp(x / s, +-448) cast with round-to-nearest-even. Partial edge blocks take their amax over
@@ -165,6 +168,13 @@ def part_shapes(fmt: str, shape: tuple[int, ...], group_size: int = INT4_GROUP) 
     return out
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """t / c, correctly rounded on every device. CUDA computes `tensor / python_number` as a
+    multiplication by the rounded reciprocal (one ulp off for about half of all inputs), while the
+    CPU divides; dividing by a tensor is IEEE division on both, so the scales are the same bits."""
+    return t / torch.full_like(t, c)
+
+
 # ---- FP8 E4M3, 128x128 blocks (DeepSeek / SGLang) ----------------------------------------------
 
 def _pad_to(x: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
@@ -179,7 +189,7 @@ def _fp8_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bn, bk = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
     blocks = _pad_to(x, bn * FP8_BLOCK, bk * FP8_BLOCK).view(bn, FP8_BLOCK, bk, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10)
-    s = amax / E4M3_MAX
+    s = _div(amax, E4M3_MAX)
     full = s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
     q = (x / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, s
@@ -199,7 +209,7 @@ def quantize_fp8_activation(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[to
     xf = x.float()
     padded = torch.nn.functional.pad(xf, (0, g * group - k)) if g * group != k else xf
     amax = padded.reshape(*x.shape[:-1], g, group).abs().amax(-1).clamp(min=1e-10)
-    s = amax / E4M3_MAX
+    s = _div(amax, E4M3_MAX)
     q = (xf / s.repeat_interleave(group, -1)[..., :k]).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), s
 
@@ -280,13 +290,13 @@ def _mx_dequant(q: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     amax = x.abs().amax()
-    s2 = (amax / (E4M3_MAX * E2M1_MAX)).to(torch.float32)
+    s2 = _div(amax, E4M3_MAX * E2M1_MAX)
     if s2 == 0:  # an all-zero tensor: any positive scale encodes it exactly
-        s2 = torch.tensor(1.0)
+        s2 = torch.ones((), device=x.device)
     b = _blocks(x, NV_BLOCK)
-    block = b.abs().amax(-1) / E2M1_MAX
+    block = _div(b.abs().amax(-1), E2M1_MAX)
     s = (block / s2).clamp(_E4M3_EPS, E4M3_MAX).to(torch.float8_e4m3fn)
-    y = b * ((1.0 / s2) / s.float()).unsqueeze(-1)
+    y = b * ((torch.ones_like(s2) / s2) / s.float()).unsqueeze(-1)
     q = pack_nibbles(e2m1_codes(y.clamp(-E2M1_MAX, E2M1_MAX)).reshape(x.shape[0], -1))
     return q, s, s2.reshape(())
 
@@ -324,13 +334,13 @@ def _int4(x: torch.Tensor, group: int, *, symmetric: bool) -> dict[str, torch.Te
     n, k = x.shape
     g = _blocks(x, group)
     if symmetric:
-        s = (g.abs().amax(-1, keepdim=True) / 7.0).clamp(min=torch.finfo(torch.float32).tiny)
+        s = _div(g.abs().amax(-1, keepdim=True), 7.0).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round(g / s).clamp(-8, 7) + 8
         parts = {}
     else:
         lo = g.amin(-1, keepdim=True).clamp(max=0.0)   # the range always holds 0 (exact zeros)
         hi = g.amax(-1, keepdim=True).clamp(min=0.0)
-        s = ((hi - lo) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
+        s = _div(hi - lo, 15.0).clamp(min=torch.finfo(torch.float32).tiny)
         z = torch.round(-lo / s).clamp(0, 15)
         q = (torch.round(g / s) + z).clamp(0, 15)
         parts = {".weight_zero_point": pack_int4_words(z.squeeze(-1), dim=0)}

@@ -191,6 +191,27 @@ def test_dequantize_dtype_is_one_final_cast(fmt):
         assert torch.equal(dequantize(quantize(once, fmt)), once)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantizers_never_divide_by_a_python_number(fmt, monkeypatch):
+    """Device independence (tests/gpu/test_quant_gpu.py checks the bits on CUDA): CUDA computes
+    `tensor / number` as a multiply by the rounded reciprocal, the CPU divides, so scales such as
+    amax / 448 would differ by an ulp between a GPU trainer and a CPU engine. Every division in
+    a quantizer must be by a tensor (formats._div)."""
+    real = torch.Tensor.__truediv__
+
+    def checked(self, other):
+        assert isinstance(other, torch.Tensor), f"quantize({fmt!r}) divides by the number {other!r}"
+        return real(self, other)
+
+    monkeypatch.setattr(torch.Tensor, "__truediv__", checked)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(130, 200, generator=g) * 0.02
+    quantize(w, fmt, group_size=32)
+    quantize(torch.zeros(3, 64), fmt, group_size=32)
+    if fmt == "fp8":
+        F.quantize_fp8_activation(w)
+
+
 def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="'fp7' is not one of"):
         quantize(torch.zeros(2, 2), "fp7")
