@@ -11,6 +11,12 @@ Design decisions:
   is refused at start with the reason, never silently run in high precision. It trains in FP8
   but exports the high-precision weights; the rollout format is chosen separately
   (`quant.rollout`, e.g. "fp8" 128x128 blocks, which torchao's recipes are not).
+- FP8 linears pad their GEMMs' inner dimension to a multiple of 16 (torchao's `pad_inner_dim`):
+  the weight-gradient GEMM contracts over the tokens, and a packed micro-batch holds any number
+  of them, while `_scaled_mm` needs that dimension divisible by 16 (a shape error in eager mode,
+  a failed compile under torch.compile's dynamic shapes). Zeros padded onto a contracted
+  dimension add nothing to the product, so results are unchanged; the cost is a copy of the FP8
+  operands of each GEMM.
 - Megatron has no hook yet: `quant.train` other than "bf16" is refused there (trainer.py).
 """
 
@@ -46,7 +52,7 @@ def apply_fp8_training(lm, device: torch.device, *, recipe: str, keep: KeepList)
                            f"H100/H200-class GPUs); this trainer runs on {device}. Use quant.train = "
                            "'bf16' here, or keep FP8 to the rollout with quant.rollout = 'fp8'")
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
     except ImportError as e:
         raise RuntimeError("quant.train = 'fp8' needs torchao (pip install torchao)") from e
     names = []
@@ -58,8 +64,16 @@ def apply_fp8_training(lm, device: torch.device, *, recipe: str, keep: KeepList)
             names.append(fqn)
         return ok
 
-    convert_to_float8_training(lm, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=wanted)
+    convert_to_float8_training(lm, config=fp8_linear_config(recipe), module_filter_fn=wanted)
     if not names:
         raise RuntimeError("quant.train = 'fp8': no Linear qualified (keep list, dims % 16)")
     return len(names)
+
+
+def fp8_linear_config(recipe: str):
+    """torchao's Float8LinearConfig for `recipe`, with the inner dimension padded to 16 (any
+    token count trains, compiled or not)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
