@@ -87,7 +87,7 @@ class RunnerConfig:
     load_format: str = "auto"        # "dummy": skip the checkpoint's weights (SGLang's flag)
     prefill_attention: str = "auto"  # auto | varlen (required) | sdpa
     quantization: str | None = None  # updates arrive in this miles.quant format (quantized.py)
-    fp8_gemm: str = "auto"           # auto | on | off: FP8 weights + FP8 GEMM for dense linears (fp8)
+    fp8_gemm: str = "off"            # auto | on | off: FP8 weights + FP8 GEMM for dense linears (fp8)
 
 
 def runner_config(args, device: str | None = None) -> RunnerConfig:
@@ -99,7 +99,7 @@ def runner_config(args, device: str | None = None) -> RunnerConfig:
                         cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
                         mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format,
                         quantization=args.quantization, prefill_attention=args.prefill_attention,
-                        fp8_gemm=getattr(args, "fp8_gemm", "auto"))
+                        fp8_gemm=getattr(args, "fp8_gemm", "off"))
 
 
 def torch_dtype(name: str) -> torch.dtype:
