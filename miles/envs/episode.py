@@ -227,7 +227,9 @@ class EpisodeEnv:
             parts.append(f"sandboxes created {st.created}, destroyed {st.destroyed}, live at close {st.live}")
             await self.pool.close()
             if self.role == "rollout":
-                parts.append(f"swept {await self.pool.sweep()}")
+                own, others = await self.pool.sweep_counted()
+                parts.append(f"swept {own}" + (f" (and {others} expired or orphaned of other runs)"
+                                               if others else ""))
             await self.pool.backend.close()
         if self._server is not None:
             await self._server.stop_async(grace_s=5)

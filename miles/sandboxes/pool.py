@@ -33,7 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 import msgspec
 
-from miles.sandboxes.base import Backend, Sandbox, SandboxCreateError, SandboxSpec, check
+from miles.sandboxes.base import Backend, Sandbox, SandboxCreateError, SandboxSpec, check, labels_match
 
 log = logging.getLogger("miles.sandboxes")
 T = TypeVar("T")
@@ -177,6 +177,14 @@ class SandboxPool:
         if n:
             log.info("sweep removed %d sandbox(es) of backend %s", n, self.backend.name)
         return n
+
+    async def sweep_counted(self) -> tuple[int, int]:
+        """`sweep()`, counted apart: (this pool's labels, other runs' expired or orphaned ones).
+        Backends that cannot list their sandboxes count everything as this pool's."""
+        records = getattr(self.backend, "records", None)
+        own = sum(labels_match(r.labels, self.labels) for r in records()) if records else None
+        n = await self.sweep()
+        return (n, 0) if own is None else (min(own, n), n - min(own, n))
 
     async def close(self) -> None:
         for sandbox in list(self._live):
