@@ -77,6 +77,7 @@ class TrainerDied(ActorDied):
 
 
 FILTER_WARN_S = 60.0  # a step waiting this long for its batch says whether the filter starves it
+                     # (or half of loop.timeout_s, when that is sooner)
 
 
 class LoopDriver(Actor):
@@ -205,11 +206,11 @@ class LoopDriver(Actor):
             GetBatch(n_groups=r.loop.groups_per_step, request_id=request_id),
             timeout_s=r.loop.timeout_s))
         start = await self.filter_counts()
-        waited = time.monotonic()
+        waited, warn_s = time.monotonic(), min(FILTER_WARN_S, r.loop.timeout_s / 2)
         try:
             while not (await asyncio.wait({get}, timeout=r.engine.health_interval_s))[0]:
                 await self.sync_engines()
-                if time.monotonic() - waited >= FILTER_WARN_S:  # say why the batch is not filling
+                if time.monotonic() - waited >= warn_s:  # say why the batch is not filling
                     waited = time.monotonic()
                     why = self.starving(start, await self.filter_counts())
                     if why:

@@ -1,6 +1,6 @@
 """The SWE recipes: swe_cpu runs 3 RL steps in a real `miles run` (episodes in real sandboxes, the
 verifier's rewards on every trained sample, pass@k in the held-out evaluations, nothing left
-open); one step with the held-out pass@k in the fleet and external eval modes; swe_h200 and
+open); one step with the held-out pass@k in the external eval mode; swe_h200 and
 swe_cluster are accepted by `miles check` (the cluster's placement on 2 nodes).
 
 Measured on the 2-core CPU (shared, load ~18-24): this 3-step run 2m41s; the full recipe (20 steps)
@@ -99,10 +99,11 @@ def test_the_h200_and_cluster_recipes_pass_miles_check():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("mode", ["fleet", "external"])
-def test_swe_cpu_reports_pass_at_k_in_the_fleet_and_external_modes(tmp_path, mode):
-    """The held-out evaluation from the step's HF snapshot: the evaluator's own engine (fleet), or
-    the eval command that finds the run's resolved recipe beside `eval/step_N` (external)."""
+@pytest.mark.parametrize("mode", ["external"])
+def test_swe_cpu_reports_pass_at_k_in_the_external_mode(tmp_path, mode):
+    """The held-out evaluation from the step's HF snapshot by the eval command, which finds the
+    run's resolved recipe beside `eval/step_N`. (The fleet mode, the evaluator's own engine on the
+    snapshot, is test_swe_eval.py's; the shared mode is the 3-step run's above.)"""
     out = tmp_path / f"swe-{mode}"
     overrides = ["loop.num_steps=1", "sft.steps=1", f"eval.mode={json.dumps(mode)}", "eval.n_prompts=2"]
     if mode == "external":

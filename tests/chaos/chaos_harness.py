@@ -64,7 +64,8 @@ SOURCE = Path(os.environ.get("MILES_CHAOS_SOURCE", ROOT))
 @dataclass
 class Case:
     name: str                 # the row of the table: engine, gateway, rollout, ...
-    target: str               # "engine" | "gateway" | an actor name ("buffer", "trainer/0", ...)
+    target: str               # "engine" | "gateway" | an actor name ("buffer", "trainer/0", ...);
+                              # several, comma-separated: kill k takes the (k mod n)-th
     kill_at_step: int = 8
     kills: int = 1
     kill_every_steps: int = 2  # with kills > 1: the next kill once this many more steps are logged
@@ -74,6 +75,14 @@ class Case:
     sets: dict = field(default_factory=dict)
     in_loop: bool = True
     notes: str = ""
+
+    def target_of(self, k: int) -> str:
+        """The target of the k-th kill (0-based)."""
+        targets = self.target.split(",")
+        return targets[k % len(targets)]
+
+    def engine_kills(self) -> int:
+        return sum(self.target_of(k) == "engine" for k in range(self.kills))
 
 
 def engine_restart_sets(kills: int) -> dict:
@@ -93,20 +102,26 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("gateway", "gateway"),
     Case("rollout", "rollout"),
     Case("buffer", "buffer"),
-    Case("trainer", "trainer/0",
+    Case("trainer", "trainer/0", sets={"loop.num_steps": 14},  # a resume from step 5: 9 steps
          notes="a trainer rank's death ends the job by design (its torch process group cannot take "
                "it back) and `miles run` restarts it from the newest checkpoint by itself "
                "(loop.auto_resumes): one command, two jobs; the second's steps replace the first's "
                "from the checkpoint on"),
     Case("evaluator", "evaluator", kill_at_step=6,
          notes="killed between evaluations; the next ones (steps 8, 16, 24) must be served"),
-    Case("driver", "driver", kill_at_step=8, expect="resume",
+    Case("driver", "driver", kill_at_step=8, expect="resume", sets={"loop.num_steps": 14},
          notes="completion impossible by design (the main actor's exit ends the job): a second "
                "`miles run` on the same output dir resumes from the step-5 checkpoint"),
     Case("engine_x10", "engine", kill_at_step=3, kills=10, kill_every_steps=1, serve_s=4.0,
          sets={"loop.num_steps": 45},  # each kill costs a restart and 4 s of serving: ~4 steps
          notes="each kill once the engine has served 4 s; engine.restart_window_s = 2 (a death "
                "within 2 s of becoming ready is a crash loop)"),
+    # the CPU suite's one run for the survivable kinds: ten kills over one run, the engine's six
+    # spread as in engine_x10, the gateway, rollout worker, buffer and evaluator between them
+    Case("mixed", "engine,gateway,engine,rollout,engine,buffer,engine,evaluator,engine,engine",
+         kill_at_step=3, kills=10, kill_every_steps=2, serve_s=4.0, sets={"loop.num_steps": 40},
+         notes="ten kills in one run: engine x6 (each once it has served 4 s), gateway, rollout, "
+               "buffer, evaluator; each after the run recovered from the one before"),
     Case("session_server", "session_server", in_loop=False,
          notes="not in this loop: the TITO session server is not part of the RL loop yet"),
 ]}
@@ -399,24 +414,27 @@ def _healthy(engine: psutil.Process) -> bool:
         return False
 
 
-def kill_target(run: Run, case: Case, deadline_s: float = 30.0, not_pids: set[int] = frozenset()) -> int:
-    """SIGKILL the case's target (a fresh one: not in `not_pids`; with `case.serve_s`, one that has
-    been healthy that long); returns its pid."""
-    end, healthy_since = time.monotonic() + deadline_s + case.serve_s, {}
+def kill_target(run: Run, case: Case, deadline_s: float = 30.0, not_pids: set[int] = frozenset(),
+                k: int = 0) -> int:
+    """SIGKILL the case's k-th target (a fresh one: not in `not_pids`; an engine, with
+    `case.serve_s`, once it has been healthy that long); returns its pid."""
+    target = case.target_of(k)
+    serve_s = case.serve_s if target == "engine" else 0.0
+    end, healthy_since = time.monotonic() + deadline_s + serve_s, {}
     while time.monotonic() < end:
-        found = [p for p in find_target(run.root, case.target) if p.pid not in not_pids]
+        found = [p for p in find_target(run.root, target) if p.pid not in not_pids]
         for p in found:
-            if case.serve_s and p.pid not in healthy_since:
+            if serve_s and p.pid not in healthy_since:
                 if not _healthy(p):
                     continue
                 healthy_since[p.pid] = time.monotonic()
-            if time.monotonic() - healthy_since.get(p.pid, -1e9) >= case.serve_s:
+            if time.monotonic() - healthy_since.get(p.pid, -1e9) >= serve_s:
                 p.send_signal(signal.SIGKILL)
                 return p.pid
         time.sleep(0.2)
-    serving = f" healthy for {case.serve_s:.0f} s" if case.serve_s else ""
-    raise ChaosTimeout(f"case {case.name}: no live {case.target!r} process{serving} among the run's "
-                       f"descendants within {deadline_s + case.serve_s:.0f} s")
+    serving = f" healthy for {serve_s:.0f} s" if serve_s else ""
+    raise ChaosTimeout(f"case {case.name}: no live {target!r} process{serving} among the run's "
+                       f"descendants within {deadline_s + serve_s:.0f} s (kill {k + 1})")
 
 
 def _drive(run: Run, case: Case, timeout_s: float, num_steps: int, start_deadline_s: float,
@@ -426,10 +444,11 @@ def _drive(run: Run, case: Case, timeout_s: float, num_steps: int, start_deadlin
     recoveries, killed, step = [], set(), case.kill_at_step
     for k in range(case.kills):
         run.wait_step(step, start_deadline_s if k == 0 else timeout_s + margin_s)
-        killed.add(kill_target(run, case, deadline_s=timeout_s, not_pids=killed))
+        killed.add(kill_target(run, case, deadline_s=timeout_s, not_pids=killed, k=k))
         t_kill, got = time.monotonic(), last_train_step(run.metrics)  # steps go on while it waits
         row["kills"] += 1
         row.setdefault("killed_at_steps", []).append(got)
+        row.setdefault("killed", []).append(case.target_of(k))
         if case.expect == "resume":
             break
         if got >= num_steps:  # the run is past its last step: no next step to recover to
@@ -471,7 +490,7 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
         return row
     out = work_dir / case.name
     out.parent.mkdir(parents=True, exist_ok=True)
-    sets = {**(engine_restart_sets(case.kills) if case.target == "engine" else {}), **case.sets}
+    sets = {**(engine_restart_sets(case.engine_kills()) if case.engine_kills() else {}), **case.sets}
     recipe = load_recipe(str(RECIPE), [f"{k}={v}" for k, v in sets.items()])
     timeout_s, num_steps = recipe.loop.timeout_s, recipe.loop.num_steps
     run = Run(case, out, sets)
@@ -515,9 +534,12 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
         row["journal_problems"] = check_journal(row["journal"], jobs[-1])
     except Exception as e:  # a journal format this checkout cannot read
         row["journal"], row["journal_problems"] = None, [f"journal unreadable: {type(e).__name__}: {e}"]
-    if case.target == "evaluator":
+    row["num_steps"], row["eval_every"] = num_steps, recipe.loop.eval_every
+    if "evaluator" in row.get("killed", []):   # the evaluations due after the evaluator's kill
+        at = row["killed_at_steps"][row["killed"].index("evaluator")]
+        row["evaluator_killed_at"] = at
         row["evals_after_kill"] = {r["step"]: r["kind"] for r in jobs[-1]
-                                   if r.get("kind") in ("eval", "eval_failed") and r["step"] > case.kill_at_step}
+                                   if r.get("kind") in ("eval", "eval_failed") and r["step"] > at}
     row["completed"] = bool(row["exit_code"] == 0 and row["done_printed"] and not acc["steps_missing"]
                             and not row["hung"])
     if fallback:  # the case failed; what a resume would have saved is reported beside it

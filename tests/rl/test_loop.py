@@ -139,62 +139,15 @@ def test_sync_mode_survives_retried_groups(tmp_path):
     assert max(r.get("buffer/retried", 0) for r in records(out, "actors")) > 0
 
 
-def _actor_pid(root_pid: int, name: str) -> int | None:
-    import psutil
-    for p in psutil.Process(root_pid).children(recursive=True):
-        try:
-            if "miles.actors.host" in p.cmdline() and p.environ().get("MILES_ACTOR_NAME") == name:
-                return p.pid
-        except psutil.Error:
-            continue
-    return None
-
-
-@pytest.mark.slow
-def test_a_killed_buffer_and_rollout_come_back_and_the_run_completes(tmp_path):
-    """SIGKILL the buffer mid-run, then the rollout worker: the buffer restores its journal, the
-    worker resumes from it, and every step trains a full batch (issue 15, item 3)."""
-    out, port = tmp_path / "kills", _free_port()
-    args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
-            "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",
-            "--set", f"cluster.head_port={port}", *_sets([
-                "loop.num_steps=8", "loop.groups_per_step=4", 'eval.mode="off"', "sft.steps=5",
-                "loop.save_every=0", "loop.timeout_s=120", 'buffer.filter="none"'])]
-    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        for name, at_step in (("buffer", 2), ("rollout", 5)):
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline and proc.poll() is None:
-                if (out / "metrics.jsonl").exists() and any(
-                        r["step"] >= at_step for r in records(out, "train")):
-                    break
-                time.sleep(0.2)
-            pid = _actor_pid(proc.pid, name) if proc.poll() is None else None
-            if pid is None:
-                proc.kill()
-                raise AssertionError(f"no {name} process found: {proc.communicate()[0].decode()[-3000:]}")
-            os.kill(pid, signal.SIGKILL)
-        log = proc.communicate(timeout=300)[0].decode(errors="replace")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, log[-4000:]
-    assert "[buffer] restored from" in log and "resumes from the buffer's journal" in log, log[-4000:]
-    train = records(out, "train")
-    assert [r["step"] for r in train] == list(range(1, 9))
-
-
 @pytest.mark.slow
 def test_a_batch_the_filter_starves_ends_the_run_saying_so(tmp_path):
     """Dynamic sampling that drops every group (all rewards equal) cannot fill a batch: the run ends
-    at loop.timeout_s with the filter named and its counts, and says so while it waits."""
-    import miles.loop
+    at loop.timeout_s with the filter named and its counts, and says so while it waits (after half
+    of loop.timeout_s)."""
     code, log, _ = run_recipe(tmp_path, "starved", ['rollout.reward="user_plugins:zero_reward"',
-                                                    'buffer.filter="nonzero_std"', "loop.timeout_s=75",
+                                                    'buffer.filter="nonzero_std"', "loop.timeout_s=45",
                                                     'eval.mode="off"', "sft.steps=0", "loop.num_steps=3"],
                               timeout_s=400)
     assert code != 0, log[-3000:]
-    assert miles.loop.FILTER_WARN_S < 75
     assert "still waiting for a batch: buffer.filter = 'nonzero_std' dropped" in log, log[-3000:]
-    assert "no batch of" in log and "within loop.timeout_s = 75.0 s: buffer.filter = 'nonzero_std' dropped" in log, log[-3000:]
+    assert "no batch of" in log and "within loop.timeout_s = 45.0 s: buffer.filter = 'nonzero_std' dropped" in log, log[-3000:]

@@ -2,7 +2,8 @@
 trainer ranks in one gloo group over both nodes, one engine fleet per node, the gateway on the
 head. Then losing a node: kill -9 of node 1's daemon stops the job with a named error and no
 orphans, and the same command resumes from the newest checkpoint; kill -9 of the head stops
-node 1 within `cluster.node_timeout_s`."""
+node 1 within `cluster.node_timeout_s` (the demo actors' case below: the rule is the node
+daemon's, whatever actors it runs)."""
 
 import json
 import os
@@ -159,28 +160,6 @@ def test_losing_a_node_stops_the_job_named_and_the_same_command_resumes(tmp_path
     assert any("resumed from" in line and "/checkpoints/step_" in line for line in head_log.splitlines())
     steps = [r["step"] for r in _records(out, "train")]
     assert steps[-1] == 8 and steps.count(1) == 1, steps  # continued, not started over
-
-
-@pytest.mark.slow
-def test_losing_the_head_stops_every_other_node(tmp_path, cluster_launcher):
-    out = tmp_path / "head"
-    procs, logs = cluster_launcher(RECIPE, 2, [*_common(tmp_path, "head"), "loop.num_steps=200",
-                                               "loop.save_every=0", "loop.eval_every=0",
-                                               'eval.mode="off"'])
-    _until(lambda: bool(_records(out, "train")), 240, "the first RL step", procs)
-    pids = _tree(procs[0].pid) | _tree(procs[1].pid)
-    assert "trainer/1" in _actors_of(procs[1].pid)
-    killed = time.monotonic()
-    os.kill(procs[0].pid, signal.SIGKILL)
-    grace_s = 10.0
-    code = _wait(procs[1:], NODE_TIMEOUT_S + grace_s + 5, "node 1 after the head was lost")[0]
-    took = time.monotonic() - killed
-    text = logs[1].read_text()
-    assert code != 0, text[-3000:]
-    assert "shutting down: the head (node 0) lost: its registry at" in text, text[-3000:]
-    time.sleep(1.0)
-    assert _alive(pids) == [], "orphans after losing the head"
-    print(f"head lost: node 1 exited {took:.1f} s after the kill")
 
 
 def _engine_pids(daemon_pid: int) -> list[int]:
