@@ -22,10 +22,11 @@ for setup in scripts/envs/setup_*.sh; do
     name=$(basename "$setup" .sh)
     (bash "$setup" > ".cache/envs/${name#setup_}.setup.log" 2>&1 &)
 done
+echo "[test.sh] set-up done after ${SECONDS} s; tests start at $(date -u +%H:%M:%S) UTC"
 # --durations: the slowest tests close the output, so a CI log shows where its time went
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider -rR --durations=25 --durations-min=10)
 if [ "$#" -gt 0 ] || [ "${MILES_TEST_STREAMS:-2}" = 1 ]; then
-    exec "${PYTEST[@]}" tests "$@"
+    exec "${PYTEST[@]}" "$@"   # no path among them: pyproject's testpaths (tests/)
 fi
 SANDBOXED=(tests/agentic tests/envs tests/sandboxes tests/chaos tests/tito tests/algo
            tests/rl/test_plugin_depths.py tests/rl/test_moe_r3.py tests/runtime/test_observe.py)
@@ -43,5 +44,5 @@ trap - EXIT
 echo
 echo "===== the sandboxed tests (${SANDBOXED[*]}), run beside the above ====="
 grep -v "^WARNING: Location" "$log" || true
-echo "===== test.sh: the rest exited $rest_rc, the sandboxed tests $sandboxed_rc ====="
+echo "===== test.sh: the rest exited $rest_rc, the sandboxed tests $sandboxed_rc; ${SECONDS} s in all ====="
 [ "$rest_rc" = 0 ] && [ "$sandboxed_rc" = 0 ]

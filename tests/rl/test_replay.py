@@ -15,7 +15,7 @@ from test_loop import ROOT, run_recipe
 @pytest.mark.timeout(700)   # a run and a replay, each with its own deadline
 def test_a_recorded_step_replays_bit_for_bit_on_cpu(tmp_path):
     code, log, out = run_recipe(tmp_path, "rec", [
-        "loop.num_steps=4", "loop.eval_every=0", "loop.save_every=0", "sft.steps=20",
+        "loop.num_steps=4", "loop.eval_every=0", "loop.save_every=0", "sft.steps=50",
         "logging.record_wire=true", "logging.record_steps=[3]", "logging.plot=false"],
         timeout_s=300)
     assert code == 0, log[-3000:]
