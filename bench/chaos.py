@@ -37,7 +37,8 @@ FIELDS = ("kind", "completed", "exit_code", "recovery_s", "wall_s", "steps_train
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="all", help="comma list of engine, gateway, rollout, buffer, "
-                    "trainer, evaluator, driver, engine_x10, session_server (default: all)")
+                    "trainer, evaluator, driver, engine_x10, mixed (ten kills of five kinds in one run), "
+                    "session_server (default: all)")
     ap.add_argument("--work-dir", default=None, help="keep the runs' output dirs and logs here")
     ap.add_argument("--full", action="store_true", help="every field of each row, log tails included")
     ap.add_argument("--source", default=None,
