@@ -12,6 +12,8 @@ kind alone.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from chaos_harness import CASES, RECIPE, row_json, run_case
@@ -42,6 +44,9 @@ def test_run_survives_ten_kills_of_engines_gateway_rollout_buffer_and_evaluator(
     at, last, every = row["evaluator_killed_at"], row["num_steps"], row["eval_every"]
     due = {s for s in range(at + 1, last + 1) if s % every == 0} | {last}
     assert row["evals_after_kill"] == {s: "eval" for s in sorted(due)}, row_json(row)
+    # the restarted buffer replayed its journal, and the restarted rollout worker resumed from it
+    log = Path(row["log"]).read_text(errors="replace")
+    assert "[buffer] restored from" in log and "resumes from the buffer's journal" in log, log[-4000:]
 
 
 @pytest.mark.slow
