@@ -243,3 +243,59 @@ async def test_abort_one_request_by_rid_and_version_update(setup):
         assert (await c.generate([1], {"max_new_tokens": 1})).weight_version == "12"
         info = await c.server_info()
         assert info["dp_size"] == 1 and info["weight_version"] == "12"
+
+
+_SILENT_SENDER = """
+import sys, torch, torch.distributed as dist
+from miles.engines.embedded_engine.weights import init_custom_process_group
+pg = init_custom_process_group("gloo", sys.argv[1], 2, 0, sys.argv[2])
+print("joined", flush=True)
+sys.stdin.readline()  # silent until told
+dist.broadcast(torch.ones(1024), src=0, group=pg)
+print("sent", flush=True)
+"""
+
+
+def test_destroying_a_group_with_a_receive_pending_from_a_silent_sender_returns_at_once():
+    """/destroy_weights_update_group runs on the engine's event loop. A gloo group's destructor
+    joins its worker threads, and one of them waits out a receive whose sender went silent (the
+    trainer failed mid-publish): its last reference must die on the releasing thread, or the
+    engine answers nothing, /server_info included, for up to the group's timeout (600 s)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from miles.engines.embedded_engine.weights import UpdateGroups, _PendingBucket
+
+    port, name = free_port(), "silent-sender"
+    sender = subprocess.Popen([sys.executable, "-c", _SILENT_SENDER, f"tcp://127.0.0.1:{port}", name],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        groups = UpdateGroups(torch.device("cpu"))
+        groups.init("127.0.0.1", port, 1, 2, name, "gloo")
+        assert sender.stdout.readline().strip() == "joined"
+        flat = torch.empty(1024)
+        work = dist.broadcast(flat, src=0, group=groups.groups[name], async_op=True)
+        groups.pending[name] = _PendingBucket(work, flat, [], [])
+        del work
+
+        t = time.monotonic()
+        destroyer = threading.Thread(target=groups.destroy, args=(name,), daemon=True)
+        destroyer.start()
+        destroyer.join(10)
+        took = time.monotonic() - t
+        releasing = [th for th in threading.enumerate() if th.name == f"release-{name}"]
+        # The sender speaks at last: the receive completes and the releasing thread can finish.
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        assert sender.stdout.readline().strip() == "sent"
+        for th in releasing:
+            th.join(30)
+        assert not destroyer.is_alive() and took < 5, f"destroy blocked {took:.1f} s"
+        assert name not in groups.groups and name not in groups.pending
+        assert not any(th.is_alive() for th in releasing), "the releasing thread never finished"
+        assert sender.wait(30) == 0
+    finally:
+        if sender.poll() is None:
+            sender.kill()

@@ -168,8 +168,12 @@ def _sync(weights: Weights) -> None:
 
 # ---- torch.distributed group (SGLang's init_custom_process_group) ----------------------------
 
-def _release_group(pg) -> None:
+def _release_group(held: list) -> None:
+    """Release a group handed over in `held` ([pg, pending bucket or None]); the last references
+    die here, on this thread: a gloo group's destructor joins its worker threads, which wait out
+    a receive whose sender is gone (up to the group's timeout)."""
     import torch.distributed as dist
+    pg = held[0]
     try:
         if dist.get_backend(pg) == "nccl":
             from torch.distributed.distributed_c10d import _abort_process_group
@@ -178,6 +182,8 @@ def _release_group(pg) -> None:
             dist.destroy_process_group(pg)
     except Exception:  # noqa: BLE001 - best effort: the peer may be gone already
         pass
+    del pg
+    held.clear()
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
@@ -242,16 +248,21 @@ class UpdateGroups:
 
         Destroying an NCCL communicator can block (seen: over a minute, the peer still holding
         its end), and this runs on the server's event loop: the name is free again immediately,
-        and an NCCL group is aborted rather than destroyed (nothing is in flight on it by now)."""
-        self.pending.pop(group_name, None)  # never waited for: its sender may be gone
-        pg = self.groups.pop(group_name, None)
-        if pg is None:
+        and an NCCL group is aborted rather than destroyed (nothing is in flight on it by now).
+        A gloo group's destructor joins its worker threads, which may wait out a receive whose
+        sender died (seen: the event loop blocked 75 s+ where the group's last reference was
+        dropped here), so that happens on the releasing thread too."""
+        if group_name not in self.groups:
             raise ValueError(f"group_name: {group_name!r} is not an open weight update group")
+        # No reference stays on this thread: the group (and a pending bucket's work, never waited
+        # for: its sender may be gone) goes to the releasing thread, whose exit drops the last one.
+        held = [self.groups.pop(group_name), self.pending.pop(group_name, None)]
         for key in [k for k in self._buffers if k[0] == group_name]:
             self._buffers.pop(key)
             self._turn.pop(key, None)
-        threading.Thread(target=_release_group, args=(pg,), name=f"release-{group_name}",
+        threading.Thread(target=_release_group, args=(held,), name=f"release-{group_name}",
                          daemon=True).start()
+        del held
 
     def _recv_buffer(self, group_name: str, dtype: torch.dtype, device: torch.device,
                      numel: int) -> torch.Tensor:
