@@ -23,7 +23,9 @@ Design decisions:
   that does not resolve is reported where msgspec's own errors are, at the field's path: the ext
   hook only notes the failure, and the type hook (which msgspec calls with the path) raises it.
   A segment that is not visible here at all is `ShmUnavailable`, so the sender can re-send as
-  frames.
+  frames. A pooled segment's reference carries a third element, its use number: its arrays are
+  views of one base ndarray per call, and `decode(frames, on_release)` arranges for
+  `on_release(name, use)` to be called once every array of that call is gone (`shm.Pool`).
 - No pickle anywhere; the dtype whitelist keeps object arrays out.
 """
 
@@ -33,6 +35,7 @@ import logging
 import threading
 import re
 import typing
+import weakref
 from typing import Any, Sequence
 
 import msgspec
@@ -83,7 +86,15 @@ _header_decoder = msgspec.msgpack.Decoder(Header)
 _any_decoder = msgspec.msgpack.Decoder()
 _meta_decoder = msgspec.msgpack.Decoder(tuple[int, str, list[int]])
 _shm_meta_decoder = msgspec.msgpack.Decoder(tuple[int, int, str, list[int]])
-_shm_ref_decoder = msgspec.msgpack.Decoder(tuple[str, int])
+
+
+class _ShmRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    size: int
+    use: int = 0  # > 0: a pooled segment (shm.Pool), released by the receiver after this call
+
+
+_shm_ref_decoder = msgspec.msgpack.Decoder(_ShmRef)
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -129,29 +140,44 @@ def _shm_array(data: memoryview) -> Any:
         index, offset, dtype_str, shape = _shm_meta_decoder.decode(data)
         dtype, count = _checked(dtype_str, shape)
         segments: dict = _state.segments
-        mm = segments.get(index)
-        if mm is None:
-            buffers: list = _state.frames
-            if not 0 <= index < len(buffers):
-                raise ValueError(f"shared-memory array refers to frame {index} but "
-                                 f"{len(buffers)} array frames came")
-            try:
-                name, size = _shm_ref_decoder.decode(buffers[index])
-            except msgspec.DecodeError as e:
-                raise ValueError(f"frame {index} is not a shared-memory reference "
-                                 f"(name, size): {e}") from None
-            mm = segments[index] = shm.open_readonly(name, size)
+        seg = segments.get(index)
+        if seg is None:
+            seg = segments[index] = _segment(index)
         nbytes = count * dtype.itemsize
-        if offset < 0 or offset + nbytes > len(mm):
+        if offset < 0 or offset + nbytes > len(seg):
             raise ValueError(f"shared-memory array {dtype_str}{tuple(shape)} at offset {offset} "
-                             f"({nbytes} bytes) lies outside its {len(mm)}-byte segment")
+                             f"({nbytes} bytes) lies outside its {len(seg)}-byte segment")
     except (ValueError, msgspec.DecodeError) as e:
         _state.missing = _state.missing or isinstance(e, shm.ShmMissing)
         bad = _BadRef(e if isinstance(e, ValueError) else ValueError(str(e)))
         _state.bad.append(bad)
         return bad
-    arr = np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+    if isinstance(seg, np.ndarray):  # a pooled segment's base array for this call
+        arr = seg[offset:offset + nbytes].view(dtype)
+    else:
+        arr = np.frombuffer(seg, dtype=dtype, count=count, offset=offset)
     return arr if len(shape) == 1 else arr.reshape(shape)
+
+
+def _segment(index: int) -> Any:
+    """Reference frame `index` resolved: a one-call segment's mapping, or for a pooled one a
+    uint8 base array over the call's bytes, whose end releases the slot (`on_release`)."""
+    buffers: list = _state.frames
+    if not 0 <= index < len(buffers):
+        raise ValueError(f"shared-memory array refers to frame {index} but "
+                         f"{len(buffers)} array frames came")
+    try:
+        ref = _shm_ref_decoder.decode(buffers[index])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"frame {index} is not a shared-memory reference "
+                         f"(name, size[, use]): {e}") from None
+    if ref.use <= 0:
+        return shm.open_readonly(ref.name, ref.size)
+    base = np.frombuffer(shm.map_pooled(ref.name, ref.size), dtype=np.uint8, count=ref.size)
+    on_release = getattr(_state, "on_release", None)
+    if on_release is not None:
+        weakref.finalize(base, on_release, ref.name, ref.use)
+    return base
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
@@ -222,15 +248,16 @@ class Codec:
         frames = self.encode(kind, msg, id, sender)
         size = shm_size(frames, shm_min_bytes)
         shared = self.encode_shared(kind, msg, id, sender, size) if size else None
-        return shared if shared is not None else (frames, None)
+        return shared[:2] if shared is not None else (frames, None)
 
-    def encode_shared(self, kind: str, msg: Message, id: int, sender: str,
-                      size: int) -> tuple[list, str] | None:
-        """The shared-memory form in a fresh segment of `size` bytes (`shm_size`), or None when
-        /dev/shm cannot take it (then frames still work). Safe to run in another thread: the
-        thread gets its own encoder and its own encoding state."""
+    def encode_shared(self, kind: str, msg: Message, id: int, sender: str, size: int,
+                      pool: shm.Pool | None = None) -> tuple[list, str, int] | None:
+        """The shared-memory form in a free slot of `pool`, else a fresh segment, of `size`
+        bytes (`shm_size`): (frames, segment name, use: > 0 for a pooled slot, 0 for a segment
+        the caller unlinks); None when /dev/shm cannot take it (then frames still work). Safe
+        to run in another thread: the thread gets its own encoder and its own encoding state."""
         try:
-            writer = shm.create(size)
+            writer = (pool.acquire(size) if pool is not None else None) or shm.create(size)
         except OSError as e:
             log.warning("shared memory unavailable (%s); sending %s as frames", e,
                         type(msg).__name__)
@@ -243,18 +270,18 @@ class Codec:
             body = encoder.encode(msg)
             writer.flush()
         except OSError as e:
-            shm.unlink(writer.name)
+            _drop(writer, pool)
             log.warning("shared memory full (%s); sending %s as frames", e, type(msg).__name__)
             return None
         except BaseException:
-            shm.unlink(writer.name)
+            _drop(writer, pool)
             raise
         finally:
             _state.writer = None
             writer.close()
-        ref = msgspec.msgpack.encode((writer.name, writer.size))
+        ref = msgspec.msgpack.encode(_ShmRef(writer.name, writer.size, writer.use))
         header = _header_encoder.encode(Header(PROTOCOL_VERSION, kind, id, sender, 1))
-        return [header, body, ref], writer.name
+        return [header, body, ref], writer.name, writer.use
 
     def decode_header(self, frames: Sequence) -> Header:
         if len(frames) < 2:
@@ -294,11 +321,14 @@ class Codec:
         return Header(fields[0] if type(fields[0]) is int else -1, clip(fields[1]), fields[2],
                       clip(sender))
 
-    def decode(self, frames: Sequence) -> tuple[Header, Message]:
+    def decode(self, frames: Sequence, on_release: Any = None) -> tuple[Header, Message]:
+        """`on_release(name, use)`: called (from whichever thread drops the last array) once a
+        pooled segment's arrays of this message are all gone."""
         header = self.decode_header(frames)
         body = _buf(frames[1])
         _state.frames = [_buf(f) for f in frames[2:]]
         _state.segments, _state.bad, _state.missing = {}, [], False
+        _state.on_release = on_release
         try:
             msg = self._body_decoder().decode(body)
             if _state.bad:  # a shared-memory array in an untyped (Any) field
@@ -308,7 +338,15 @@ class Codec:
             raise (ShmUnavailable if _state.missing else WireError)(
                 _explain(e), _peek_type(body), _field_of(e)) from None
         finally:
-            _state.frames = _state.segments = _state.bad = None
+            _state.frames = _state.segments = _state.bad = _state.on_release = None
+
+
+def _drop(writer: shm.Writer, pool: shm.Pool | None) -> None:
+    """A segment that will not be sent: a pooled slot is free again, a fresh one unlinked."""
+    if writer.use and pool is not None:
+        pool.release(writer.name, writer.use)
+    else:
+        shm.unlink(writer.name)
 
 
 def shm_size(frames: list, shm_min_bytes: int) -> int:

@@ -49,7 +49,7 @@ def registered_messages() -> dict[str, type[Message]]:
 # cancel: the caller gave up on call/stream `id`; probe: an inbox checking that a caller is still
 # connected (callers ignore it).
 Kind = Literal["call", "tell", "reply", "error", "stream_open", "stream_item", "stream_credit",
-               "stream_end", "stream_close", "cancel", "probe"]
+               "stream_end", "stream_close", "cancel", "probe", "shm_free"]
 
 
 class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -71,6 +71,13 @@ class Published(Ok):
     """A trainer rank's answer to PublishWeights; rank 0's carries the publish's `weights/...`
     metrics (stall time and its parts, PublishReport.metrics)."""
     metrics: dict[str, float] = {}
+
+
+class ShmFree(Message):
+    """Receiver -> caller (kind "shm_free"): every array of call number `use` of pooled
+    shared-memory segment `name` is gone, so the caller may write that segment again."""
+    name: str
+    use: int
 
 
 class ErrorReply(Message):

@@ -32,11 +32,22 @@ Design decisions:
   `NAME_RE`, a regular file of exactly that size, and every array's (offset, dtype, shape) inside
   it. Anything else is a `WireError` (raised by the codec, naming the field).
 - The default threshold (8 MiB, `DEFAULT_MIN_BYTES` = `cluster.shm_min_bytes`' default): on a
-  2-core CPU box (bench/data_plane.py) shm costs about 1.1x less CPU than frames at 1-16 MB and
-  1.3-1.8x less at 64-256 MB; wall time there, with the box loaded by other work, was within
-  0.85-1.25x either way. What remains is tmpfs allocating fresh pages for every segment and
-  the receiver mapping them (Ray's object store reuses one arena mapped once by every worker,
-  which is why it is faster still).
+  2-core CPU box (bench/data_plane.py, idle), with pooled segments, one rank is sent 1 / 4 / 16 /
+  64 / 256 MB 1.1 / 1.8 / 1.5 / 1.8 / 2.6x faster than as frames, for 1.4-3x less CPU. Below a
+  few MB the difference is microseconds, and a pooled slot holds its size of /dev/shm for the
+  connection's life, so small calls stay frames.
+- Pooled segments (`Pool`, one per connection): a fresh segment costs tmpfs a page allocation on
+  every write and the receiver a mapping, an unmapping and the pages' release (73 MB: ~60 ms of
+  a ~15 ms copy on the 2-core box). So a connection keeps up to `POOL_SLOTS` segments of its own
+  and writes each call into a free one; the receiver keeps them mapped (`map_pooled`, at most
+  `MAPPED_MAX`) and, for each call, views its arrays through one base ndarray whose
+  `weakref.finalize` tells the sender (a `shm_free` frame: `ShmFree(name, use)`) once the last
+  array of that call is gone; only then is the slot written again. `use` counts a slot's calls,
+  so a late release never frees a newer one. A slot whose release never comes (a receiver that
+  keeps the arrays, or timed out) stays busy, and calls beyond the free slots take fresh
+  segments as before. A pooled name stays linked while its connection lives: the connection's
+  close (or loss), the atexit hook, or a job's `sweep` unlinks it; the receiver drops a mapping
+  whose name is gone when it maps the next one.
 - Linux only (/dev/shm); elsewhere `available()` is False and everything travels as frames.
 """
 
@@ -50,6 +61,8 @@ import os
 import re
 import secrets
 import stat
+import threading
+from collections import OrderedDict
 from urllib.parse import urlsplit
 
 SHM_DIR = "/dev/shm"
@@ -59,8 +72,12 @@ DEFAULT_MIN_BYTES = 8 << 20  # a bare Runtime's; the same as cluster.shm_min_byt
 _LOCAL_NAMES = {"localhost", "ip6-localhost"}
 
 _owned: set[str] = set()
-# This process's segments: what `Actor.metrics` reports (shm_sent, shm_received, ..._bytes).
-stats = {"shm_sent": 0, "shm_sent_bytes": 0, "shm_received": 0, "shm_received_bytes": 0}
+POOL_SLOTS = 2  # pooled segments per connection: one being read, one being written
+MAPPED_MAX = 8  # pooled segments a receiver keeps mapped
+# This process's segments: what `Actor.metrics` reports (shm_sent, shm_received, ..._bytes;
+# shm_pooled: calls written into a reused segment).
+stats = {"shm_sent": 0, "shm_sent_bytes": 0, "shm_received": 0, "shm_received_bytes": 0,
+         "shm_pooled": 0}
 _counter = itertools.count()
 _token = secrets.token_hex(3)
 
@@ -101,20 +118,17 @@ class Writer:
     """One segment being filled: `put(buffer)` returns the offset it will have, `flush()` writes
     every buffer put (OSError: /dev/shm is full), `close()` closes the file."""
 
-    def __init__(self, size: int):
-        self.name = f"{job_prefix()}{os.getpid()}-{next(_counter)}-{_token}"
+    def __init__(self, size: int, slot: "_Slot | None" = None, pool: "Pool | None" = None):
         self.size = size
-        path = os.path.join(SHM_DIR, self.name)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        _owned.add(self.name)
-        try:
-            os.ftruncate(self._fd, size)  # sparse: pages come with the writes
-        except BaseException:
-            self.close()
-            unlink(self.name)
-            raise
+        self.use = 0  # > 0: a pooled slot's use number (the receiver releases name and use)
         self._offset = 0
         self._iov: list = []
+        self._slot, self._pool = slot, pool
+        if slot is not None:
+            self.name, self._fd, self.use = slot.name, slot.fd, slot.use
+            return
+        self.name = new_name()
+        self._fd = _create(self.name, size)
 
     def put(self, buf: memoryview) -> int:
         offset, n = self._offset, len(buf)
@@ -145,16 +159,117 @@ class Writer:
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            if self._pool is not None:
+                self._pool._written(self._slot)
+            else:
+                os.close(self._fd)
+        self._fd = -1
+
+
+def new_name() -> str:
+    return f"{job_prefix()}{os.getpid()}-{next(_counter)}-{_token}"
+
+
+def _create(name: str, size: int) -> int:
+    """A new segment file of `size` bytes (sparse: pages come with the writes); its fd."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                 0o600)
+    _owned.add(name)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    return fd
 
 
 def create(size: int) -> Writer:
     return Writer(size)
 
 
-def open_readonly(name: str, size: int) -> mmap.mmap:
-    """Map segment `name` read-only and unlink it; ValueError/ShmMissing say what is wrong."""
+class _Slot:
+    def __init__(self, name: str, fd: int, capacity: int):
+        self.name, self.fd, self.capacity = name, fd, capacity
+        self.use = 0
+        self.busy = False     # written, and not yet released by the receiver
+        self.writing = False  # its fd is in use by a Writer (closed after it, if the pool is)
+
+
+class Pool:
+    """A connection's reusable segments (see the module docstring). `acquire(size)` gives a
+    Writer into a free slot (grown to `size` if needed; a new slot while fewer than `slots`),
+    or None when every slot is busy; `release(name, use)` frees a slot once the receiver has
+    dropped that call's arrays; `close()` unlinks every slot. Thread-safe: writers run in
+    worker threads, releases on the event loop."""
+
+    def __init__(self, slots: int = POOL_SLOTS):
+        self.max_slots = slots
+        self._slots: dict[str, _Slot] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def acquire(self, size: int) -> Writer | None:
+        with self._lock:
+            if self._closed:
+                return None
+            free = [s for s in self._slots.values() if not s.busy]
+            slot = min((s for s in free if s.capacity >= size), key=lambda s: s.capacity, default=None)
+            if slot is None and free:  # grow a free one rather than take more memory
+                slot = max(free, key=lambda s: s.capacity)
+            elif slot is None and len(self._slots) < self.max_slots:
+                name = new_name()
+                slot = self._slots[name] = _Slot(name, _create(name, size), size)
+            if slot is None:
+                return None
+            if slot.capacity < size:  # grown in place; the receiver maps it again
+                os.ftruncate(slot.fd, size)
+                slot.capacity = size
+            slot.busy = slot.writing = True
+            slot.use += 1
+            if slot.use > 1:
+                stats["shm_pooled"] += 1
+            return Writer(size, slot, self)
+
+    def _written(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.writing = False
+            if self._closed:
+                os.close(slot.fd)
+
+    def release(self, name: str, use: int) -> bool:
+        """Free slot `name` if `use` is its current call; False for a stale or unknown release."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is None or slot.use != use or not slot.busy:
+                return False
+            slot.busy = False
+            return True
+
+    def busy(self) -> int:
+        with self._lock:
+            return sum(s.busy for s in self._slots.values())
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._slots)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            slots, self._slots = list(self._slots.values()), {}
+            for slot in slots:
+                if not slot.writing:  # else its Writer closes it: the fd must not be reused under it
+                    os.close(slot.fd)
+        for slot in slots:
+            unlink(slot.name)
+
+
+def _map(name: str, size: int, pooled: bool) -> mmap.mmap:
+    """Map segment `name` read-only: exactly `size` bytes, or a pooled slot of at least `size`
+    (mapped whole); ValueError/ShmMissing say what is wrong."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"shared-memory name {str(name)[:100]!r} is not a Miles segment name")
     if size <= 0:
@@ -170,12 +285,18 @@ def open_readonly(name: str, size: int) -> mmap.mmap:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"shared-memory segment {name!r} is not a regular file")
-        if st.st_size != size:
+        if st.st_size < size if pooled else st.st_size != size:
             raise ValueError(f"shared-memory segment {name!r} has {st.st_size} bytes, the "
                              f"reference says {size}")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        return mmap.mmap(fd, st.st_size if pooled else size, flags=mmap.MAP_SHARED | _POPULATE,
+                         prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+
+
+def open_readonly(name: str, size: int) -> mmap.mmap:
+    """Map a one-call segment `name` read-only and unlink it."""
+    mm = _map(name, size, pooled=False)
     try:
         os.unlink(os.path.join(SHM_DIR, name))  # the mapping outlives the name
     except OSError:
@@ -183,6 +304,32 @@ def open_readonly(name: str, size: int) -> mmap.mmap:
     stats["shm_received"] += 1
     stats["shm_received_bytes"] += size
     return mm
+
+
+_mapped: "OrderedDict[str, mmap.mmap]" = OrderedDict()
+_mapped_lock = threading.Lock()
+
+
+def map_pooled(name: str, size: int) -> mmap.mmap:
+    """A pooled segment's mapping (kept for its next calls; mapped again when it grew). Arrays
+    of earlier calls keep their own mapping alive, so dropping one from the cache is safe."""
+    with _mapped_lock:
+        mm = _mapped.get(name)
+        if mm is None or len(mm) < size:
+            mm = _mapped[name] = _map(name, size, pooled=True)
+            for old in [n for n in _mapped if n != name and not os.path.exists(os.path.join(SHM_DIR, n))]:
+                del _mapped[old]  # its sender closed it
+            while len(_mapped) > MAPPED_MAX:
+                _mapped.popitem(last=False)
+        _mapped.move_to_end(name)
+    stats["shm_received"] += 1
+    stats["shm_received_bytes"] += size
+    return mm
+
+
+def mapped_names() -> list[str]:
+    with _mapped_lock:
+        return list(_mapped)
 
 
 class ShmMissing(ValueError):

@@ -41,6 +41,9 @@ Design decisions:
   calls to several ranks write their segments at once, as ZeroMQ's I/O thread copies frames
   for several sockets at once. Such a call leaves after the write, so a smaller message sent
   meanwhile on the same connection may overtake it (calls never had an order among themselves).
+  Each connection writes into its own pooled segments (`shm.Pool`) while one is free: the
+  receiver's inbox sends a `shm_free` frame when a call's arrays are gone, and the slot is
+  written again only then; the pool is unlinked when the connection closes or is lost.
 - With CurveZMQ keys (`miles.wire.auth`), the inbox is a CURVE server and every connection a CURVE
   client; without them the sockets are plain. A connection whose handshake fails (keys on one end
   only, or the wrong keys) fails its calls at once with a message saying so.
@@ -59,7 +62,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from miles.wire import auth, shm
 from miles.wire.codec import Codec, ShmUnavailable, WireError, shm_size
-from miles.wire.messages import ErrorReply, Header, Message, Ok
+from miles.wire.messages import ErrorReply, Header, Message, Ok, ShmFree
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +197,7 @@ class Server:
     def _on_frames(self, frames: list) -> None:
         ident, frames = frames[0].bytes, frames[1:]
         try:
-            header, msg = self.codec.decode(frames)
+            header, msg = self.codec.decode(frames, lambda name, use: self._released(ident, name, use))
             if header.kind not in _INBOX_KINDS:
                 raise WireError(f"kind {header.kind!r} is not sent to an actor's inbox", "Header",
                                 "kind")
@@ -207,6 +210,25 @@ class Server:
             self.on_message(ident, header, msg)
         except Exception:  # a dispatcher bug must not stop the inbox
             log.exception("%s: dispatch of %s failed", self.name, type(msg).__name__)
+
+    def _released(self, ident: bytes, name: str, use: int) -> None:
+        """A pooled segment's arrays are all gone (any thread): tell its writer, from the loop."""
+        loop = self._pump.loop if self._pump is not None else None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._send_free, ident, name, use)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _send_free(self, ident: bytes, name: str, use: int) -> None:
+        if self._pump is None or self._pump._closed:
+            return
+        try:
+            self._pump.send([ident, *self.codec.encode("shm_free", ShmFree(name=name, use=use), 0,
+                                                       self.name)])
+        except (zmq.ZMQError, ConnectionLost):
+            pass  # the writer is gone: its pool went with it
 
     def _refuse(self, ident: bytes, frames, error: WireError) -> None:
         header = self.codec.peek_header(frames)  # None unless it names a call id (> 0)
@@ -271,6 +293,7 @@ class Connection:
         self.codec, self.endpoint, self.sender = codec, endpoint, sender
         self.fail_if_refused = False
         self.shm_min_bytes = 0
+        self.shm_pool = shm.Pool()  # slots are created on first use
         self.sock = ctx.socket(zmq.DEALER)
         tune(self.sock)
         if curve is not None:
@@ -307,6 +330,7 @@ class Connection:
         fut = self.loop.create_future()
         self.pending[id] = fut
         timer = segment = None
+        pooled = sent = False
         started = self.loop.time()
         try:
             if self.lost:
@@ -314,12 +338,15 @@ class Connection:
             frames = self.codec.encode(kind, msg, id, self.sender)
             size = shm_size(frames, self.shm_min_bytes)
             if size:
-                shared = await _write_segment(self.codec, kind, msg, id, self.sender, size)
+                shared = await _write_segment(self.codec, kind, msg, id, self.sender, size,
+                                              self.shm_pool)
                 if shared is not None:
-                    frames, segment = shared
+                    frames, segment, use = shared
+                    pooled = use > 0
                 if self.lost:  # it dropped while the segment was written
                     raise self.lost
             self._pump.send(frames)
+            sent = True
             if timeout_s is not None:
                 timer = self.loop.call_later(max(0.0, timeout_s), _expire, fut)
             return await fut
@@ -332,12 +359,15 @@ class Connection:
             log.warning("%s cannot see this host's shared memory (%s); sending as frames from "
                         "now on", self.endpoint, e.reply.message)
             self.shm_min_bytes = 0
+            self.shm_pool.close()
         finally:
             if timer is not None:
                 timer.cancel()
             self.pending.pop(id, None)
-            if segment is not None:
+            if segment is not None and not pooled:
                 shm.unlink(segment)
+            elif pooled and not sent:  # never left: the receiver cannot hold its arrays
+                self.shm_pool.release(segment, use)
         left = None if timeout_s is None else timeout_s - (self.loop.time() - started)
         return await self.request(kind, msg, left)
 
@@ -355,6 +385,10 @@ class Connection:
         except WireError as e:
             self.bad_frames += 1
             log.warning("dropped a bad reply from %s: %s", self.endpoint, e)
+            return
+        if header.kind == "shm_free":
+            if isinstance(msg, ShmFree):
+                self.shm_pool.release(msg.name, msg.use)
             return
         if header.kind in ("reply", "error"):
             fut = self.pending.get(header.id)
@@ -386,6 +420,7 @@ class Connection:
 
     def _fail(self, error: ConnectionLost, closing: bool = False) -> None:
         self.lost = error
+        self.shm_pool.close()  # the receiver's mappings outlive the names
         if not closing:  # ZeroMQ would keep reconnecting to the dead endpoint while the socket lives
             self.loop.call_soon(self.close)
         for fut in list(self.pending.values()):
@@ -411,23 +446,27 @@ _writers: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 async def _write_segment(codec: Codec, kind: str, msg: Message, id: int, sender: str,
-                         size: int) -> tuple[list, str] | None:
+                         size: int, pool: shm.Pool) -> tuple[list, str, int] | None:
     """`codec.encode_shared` in a worker thread; a caller cancelled meanwhile still gets the
-    segment unlinked once the thread has written it."""
+    segment unlinked (or its pooled slot freed) once the thread has written it."""
     global _writers
     if _writers is None:
         _writers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="miles-shm")
-    job = _writers.submit(codec.encode_shared, kind, msg, id, sender, size)
+    job = _writers.submit(codec.encode_shared, kind, msg, id, sender, size, pool)
     try:
         return await asyncio.shield(asyncio.wrap_future(job))
     except asyncio.CancelledError:
-        job.add_done_callback(_unlink_result)
+        job.add_done_callback(lambda j: _drop_result(j, pool))
         raise
 
 
-def _unlink_result(job: concurrent.futures.Future) -> None:
+def _drop_result(job: concurrent.futures.Future, pool: shm.Pool) -> None:
     if not job.cancelled() and job.exception() is None and job.result() is not None:
-        shm.unlink(job.result()[1])
+        _, name, use = job.result()
+        if use:
+            pool.release(name, use)
+        else:
+            shm.unlink(name)
 
 
 def _expire(fut: asyncio.Future) -> None:

@@ -33,13 +33,24 @@ def mapped(a):
         a = a.obj if isinstance(a, memoryview) else getattr(a, "base", None)
     return a is not None
 
+def checksum(arrays):
+    return float(sum(int(a.view(np.uint8).sum(dtype=np.uint64)) for a in arrays))
+
+def arrays_of(msg):
+    return [a for s in msg.samples for a in (s.tokens, s.rollout_logprobs, s.routed_experts)]
+
 class Sink(Actor):
+    kept = []  # phase "sft" steps are kept: their arrays stay alive after the reply
+
     def on_train_step(self, msg: TrainStep) -> TrainResult:
-        arrays = [a for s in msg.samples for a in (s.tokens, s.rollout_logprobs, s.routed_experts)]
+        if msg.phase == "sft":
+            self.kept.append(msg)
+        arrays = arrays_of(msg)
         return TrainResult(metrics={
-            "checksum": float(sum(int(a.view(np.uint8).sum(dtype=np.uint64)) for a in arrays)),
+            "checksum": checksum(arrays),
             "read_only": float(all(not a.flags.writeable for a in arrays)),
-            "mapped": float(all(mapped(a) for a in arrays))})
+            "mapped": float(all(mapped(a) for a in arrays)),
+            "kept_checksum": sum(checksum(arrays_of(m)) for m in self.kept)})
 
 async def main():
     actor = Sink("sink")
@@ -50,9 +61,9 @@ run_event_loop(main())
 '''
 
 
-def _step(n_samples: int = 8, tokens: int = 2048) -> TrainStep:
-    rng = np.random.default_rng(0)
-    return TrainStep(samples=[Sample(
+def _step(n_samples: int = 8, tokens: int = 2048, seed: int = 0, phase: str = "rl") -> TrainStep:
+    rng = np.random.default_rng(seed)
+    return TrainStep(phase=phase, samples=[Sample(
         tokens=rng.integers(0, 150_000, tokens, dtype=np.int32), response_length=tokens // 2,
         rollout_logprobs=-rng.random(tokens // 2, dtype=np.float32),
         routed_experts=rng.integers(0, 64, (tokens - 1, 8, 8), dtype=np.uint8))
@@ -111,7 +122,58 @@ def test_round_trip_across_processes_is_zero_copy_and_read_only(sink):
     step = _step()
     reply = _call(endpoint, step, shm_min_bytes=1 << 20)
     assert _array_bytes(step) > 1 << 20
-    assert reply.metrics == {"checksum": _checksum(step), "read_only": 1.0, "mapped": 1.0}
+    assert reply.metrics == {"checksum": _checksum(step), "read_only": 1.0, "mapped": 1.0,
+                             "kept_checksum": 0.0}
+    assert _leftovers() == [] and shm.owned() == frozenset()
+
+
+def test_calls_reuse_pooled_segments_and_never_overwrite_arrays_still_held(sink):
+    """A connection writes its calls into the same segment once the receiver has dropped the
+    last call's arrays (its shm_free frame); a segment whose arrays are still held (a kept step)
+    is never written again: the next calls take the second slot, then fresh segments."""
+    _, endpoint = sink
+    steps = [_step(seed=k) for k in range(3)]
+    kept = [_step(seed=10 + k, phase="sft") for k in range(2)]
+
+    async def released_to(pool, busy: int, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while pool.busy() != busy:
+            assert time.monotonic() < deadline, f"{what}: {pool.busy()} slot(s) busy after 10 s, expected {busy}"
+            await asyncio.sleep(0.005)
+
+    async def go():
+        rt = Runtime(shm_min_bytes=1 << 20)
+        try:
+            ref = rt.ref_at(endpoint, "sink")
+            await ref.call(TrainStep(samples=[]), timeout_s=30)
+            pool = rt.connection(endpoint).shm_pool
+            pooled = shm.stats["shm_pooled"]
+            for k in range(6):
+                reply = await ref.call(steps[k % 3], timeout_s=30)
+                assert reply.metrics["checksum"] == _checksum(steps[k % 3]), k
+                await released_to(pool, 0, f"call {k}")
+            assert len(pool.names()) == 1 and shm.stats["shm_pooled"] - pooled == 5
+            assert _leftovers() == pool.names()
+
+            total = 0.0
+            for j, step in enumerate(kept):  # each holds a slot from now on
+                total += _checksum(step)
+                reply = await ref.call(step, timeout_s=30)
+                assert reply.metrics["kept_checksum"] == total
+                await asyncio.sleep(0.2)
+                assert pool.busy() == j + 1, "a slot whose arrays are still held was released"
+                for k in range(3):  # the free slot (j = 0), then fresh segments (j = 1)
+                    reply = await ref.call(steps[k], timeout_s=30)
+                    assert reply.metrics["checksum"] == _checksum(steps[k])
+                    assert reply.metrics["kept_checksum"] == total, "a held segment was overwritten"
+                    await released_to(pool, j + 1, f"call {k} beside {j + 1} kept")
+            assert len(pool.names()) == shm.POOL_SLOTS and _leftovers() == sorted(pool.names())
+            name = pool.names()[0]
+            assert not pool.release(name, 0) and not pool.release("miles-shm-nobody", 1)
+        finally:
+            rt.close()
+
+    asyncio.run(go())
     assert _leftovers() == [] and shm.owned() == frozenset()
 
 
@@ -206,14 +268,13 @@ def test_a_reference_of_the_wrong_size_or_outside_its_segment_is_refused(job):
 def test_a_receiver_that_cannot_see_the_segment_gets_the_call_as_frames(sink, monkeypatch):
     """Host networking with a private /dev/shm: the receiver refuses, the sender re-sends."""
     _, endpoint = sink
-    real = shm.Writer.__init__
+    real = shm._create
 
-    def elsewhere(self, size):  # the segment goes where the receiver will not find it
-        real(self, size)
-        os.rename(os.path.join(shm.SHM_DIR, self.name),
-                  os.path.join(shm.SHM_DIR, self.name + "-moved"))
-        self.moved = self.name + "-moved"
-    monkeypatch.setattr(shm.Writer, "__init__", elsewhere)
+    def elsewhere(name, size):  # the segment (fresh or pooled) goes where the receiver will not find it
+        fd = real(name, size)
+        os.rename(os.path.join(shm.SHM_DIR, name), os.path.join(shm.SHM_DIR, name + "-moved"))
+        return fd
+    monkeypatch.setattr(shm, "_create", elsewhere)
     step = _step()
 
     async def go():
@@ -307,6 +368,9 @@ def test_the_quickstart_trains_through_shared_memory(tmp_path):
         figures = asyncio.run(shm_figures())
         assert figures["driver"]["shm_sent"] >= 3, figures["driver"]
         assert figures["trainer/0"]["shm_received"] >= 3, figures["trainer/0"]
+        # the trainer drops a step's arrays after it: the driver writes its next steps into the
+        # segment it already has (shm.Pool), not into fresh ones
+        assert figures["driver"]["shm_pooled"] >= 1, figures["driver"]
         proc.send_signal(signal.SIGTERM)  # the daemon stops every actor; their atexit hooks run
         proc.wait(timeout=120)
     finally:
