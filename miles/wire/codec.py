@@ -176,7 +176,7 @@ def _segment(index: int) -> Any:
     base = np.frombuffer(shm.map_pooled(ref.name, ref.size), dtype=np.uint8, count=ref.size)
     on_release = getattr(_state, "on_release", None)
     if on_release is not None:
-        weakref.finalize(base, on_release, ref.name, ref.use)
+        weakref.finalize(base, on_release, ref.name, ref.use).atexit = False  # nobody to tell then
     return base
 
 
