@@ -245,7 +245,15 @@ def run_mode(mode: str, args, out: Path, max_staleness: int) -> dict:
 
 STATS = re.compile(r"engine stats over ([\d.]+) s: decode (\d+) steps, batch ([\d.]+), ([\d.]+) ms/step "
                    r"\| prefill (\d+) \((\d+) requests, ([\d.]+) ms\) \| paused ([\d.]+) ms, idle ([\d.]+) ms"
-                   r".*? compute thread: decode ([\d.]+) ms/step, prefill ([\d.]+) ms")
+                   r".*? compute thread: decode ([\d.]+) ms/step, prefill ([\d.]+) ms"
+                   r"(?: \| context ([\d.]+) tokens/step)?")
+
+
+def stats_windows(text: str) -> list[tuple[float, ...]]:
+    """The engine's stats lines as tuples: seconds, decode steps, batch, ms/step, prefills,
+    prefill requests, prefill ms, paused ms, idle ms, compute ms/step, compute prefill ms, and
+    the context tokens summed over the batch per decode step (0 in logs from before it)."""
+    return [tuple(float(x or 0.0) for x in m.groups()) for m in STATS.finditer(text)]
 
 
 def engine_summary(log_path: Path) -> dict:
@@ -254,7 +262,7 @@ def engine_summary(log_path: Path) -> dict:
     of its time in prefill, paused and idle."""
     if not log_path.exists():
         return {}
-    rows = [tuple(map(float, m.groups())) for m in STATS.finditer(log_path.read_text(errors="replace"))]
+    rows = stats_windows(log_path.read_text(errors="replace"))
     rows = [r for r in rows if r[1] > 0]
     if not rows:
         return {}

@@ -44,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from async_rl import MODELS, STATS, _port, engine_summary, run_recipe  # noqa: E402
+from async_rl import MODELS, _port, engine_summary, run_recipe, stats_windows  # noqa: E402
 
 CALIBRATION = [("cal_sync", "sync", 0, 8, 24, 1), ("cal_async_s2", "fully_async", 2, 8, 24, 1)]
 VALIDATION = [
@@ -132,7 +132,7 @@ def read_run(name: str, log_dir: Path) -> dict:
     actors = [r for r in rows if r["kind"] == "actors"]
     span = train[-1]["time_s"] - train[0]["time_s"]
     first, last = actors[0], actors[-1]
-    windows = [tuple(map(float, m.groups())) for m in STATS.finditer(engine_log.read_text(errors="replace"))]
+    windows = stats_windows(engine_log.read_text(errors="replace"))
     # The first two windows that decode are the warm-up (first shapes, allocator growth), as
     # step 1 is left out of the measured span.
     decoding = [w for w in windows if w[1] > 0]
@@ -144,20 +144,30 @@ def read_run(name: str, log_dir: Path) -> dict:
             **json.loads((log_dir / f"plan_{name}.json").read_text()), **engine_summary(engine_log)}
 
 
-def decode_fit(windows) -> tuple[float, float]:
-    """ms per decode step = a + b x batch, least squares weighted by each window's step count."""
+def decode_fit(windows) -> tuple[float, float, float]:
+    """ms per decode step = a + b x batch + c x context tokens (summed over the batch: the
+    attention's KV read grows with it), least squares weighted by each window's step count;
+    without the context column (older logs) or where the three-term fit is not physical, a + b x
+    batch (c = 0), and with too little spread a flat cost."""
     if not windows:
         raise ValueError("no engine stats window decoded anything: the run was shorter than the "
                          "engine's stats interval (engine.extra_args --log-stats-interval-s)")
     b = np.array([w[2] for w in windows])
     ms = np.array([w[3] for w in windows])
+    ctx = np.array([w[11] if len(w) > 11 else 0.0 for w in windows])
     wt = np.sqrt(np.array([w[1] for w in windows]))
+    one = np.ones_like(b)
+    if len(windows) >= 4 and np.ptp(b) > 2 and ctx.any():
+        a, slope, per_ctx = np.linalg.lstsq(np.stack([one, b, ctx], 1) * wt[:, None], ms * wt,
+                                            rcond=None)[0]
+        if a > 0 and slope >= 0 and per_ctx >= 0:
+            return float(a), float(slope), float(per_ctx)
     if len(windows) >= 3 and np.ptp(b) > 2:
-        a, slope = np.linalg.lstsq(np.stack([np.ones_like(b), b], 1) * wt[:, None], ms * wt, rcond=None)[0]
+        a, slope = np.linalg.lstsq(np.stack([one, b], 1) * wt[:, None], ms * wt, rcond=None)[0]
         if a > 0 and slope >= 0:
-            return float(a), float(slope)
+            return float(a), float(slope), 0.0
     mean_ms = float(np.average(ms, weights=wt ** 2))
-    return mean_ms, 0.0                       # too little spread: a flat step cost
+    return mean_ms, 0.0, 0.0                  # too little spread: a flat step cost
 
 
 def _fig(value: float, source: str) -> dict:
@@ -169,7 +179,7 @@ def component_figures(runs: list[dict], label: str) -> dict:
     engine's stats lines, the trainer's train/step_s per token, the weight stall, the driver's
     remainder per step, the prompt tokens per sample."""
     windows = [w for r in runs for w in r["windows"]]
-    a_ms, b_ms = decode_fit(windows)
+    a_ms, b_ms, c_ms = decode_fit(windows)
     pre = [w for w in windows if w[5] > 0]
     prefill_ms = sum(w[6] for w in pre) / max(1.0, sum(w[5] for w in pre))
     # The part of a window that is neither decode, prefill, paused nor idle is the engine's
@@ -178,13 +188,15 @@ def component_figures(runs: list[dict], label: str) -> dict:
     work = sum(w[1] * w[3] + w[6] for w in windows)
     other = sum(max(0.0, 1e3 * w[0] - w[1] * w[3] - w[6] - w[7] - w[8]) for w in windows)
     stretch = 1.0 + other / max(work, 1e-9)
-    a_ms, b_ms, prefill_ms = a_ms * stretch, b_ms * stretch, prefill_ms * stretch
+    a_ms, b_ms, c_ms, prefill_ms = a_ms * stretch, b_ms * stretch, c_ms * stretch, prefill_ms * stretch
     rows = [row for r in runs for row in r["rows"][1:]]
     per_tok = sum(r["train/step_s"] for r in rows) / sum(r["train/tokens"] for r in rows)
     return {
         "decode_fixed_s": _fig(a_ms / 1e3, f"{label}: engine stats, ms/decode step vs batch fit, "
                                            f"x {stretch:.3f} for the engine's time between steps"),
         "decode_per_seq_s": _fig(b_ms / 1e3, f"{label}: engine stats, ms/decode step vs batch fit, x {stretch:.3f}"),
+        "decode_per_ctx_token_s": _fig(c_ms / 1e3, f"{label}: engine stats, ms/decode step vs context "
+                                                   f"tokens fit, x {stretch:.3f}"),
         "prefill_s": _fig(prefill_ms / 1e3, f"{label}: engine stats, prefill ms per request, x {stretch:.3f}"),
         "train_tokens_per_s": _fig(1.0 / per_tok, f"{label}: trainer train/step_s over train/tokens"),
         "train_fixed_s": _fig(0.0, "the trainer's step time is proportional to its tokens at this size"),
@@ -206,11 +218,12 @@ def calibrate(sync: dict, fasync: dict) -> dict:
     s_src, a_src = src.format("cal_sync", sync["load_avg_1m"]), src.format("cal_async_s2", fasync["load_avg_1m"])
     alone = component_figures([sync], s_src)
     together = component_figures([fasync], a_src)
-    a_ms, b_ms = decode_fit(sync["windows"])
-    # engine ms/step in the fully-async run against the sync fit at its batch, charged to the
-    # share of the time the trainer was busy (when both compete for the cores)
+    a_ms, b_ms, c_ms = decode_fit(sync["windows"])
+    # engine ms/step in the fully-async run against the sync fit at its batch and context,
+    # charged to the share of the time the trainer was busy (when both compete for the cores)
     wa = fasync["windows"]
-    ratio = float(np.mean([w[3] / (a_ms + b_ms * w[2]) for w in wa])) if wa else 1.0
+    ratio = float(np.mean([w[3] / (a_ms + b_ms * w[2] + c_ms * (w[11] if len(w) > 11 else 0.0))
+                           for w in wa])) if wa else 1.0
     busy = max(0.1, 1.0 - fasync["trainer_idle_frac"])
     slow = alone["train_tokens_per_s"]["value"] / together["train_tokens_per_s"]["value"]
     return {**alone, "probe_s": (sync["probe_s"] + fasync["probe_s"]) / 2,
@@ -219,7 +232,8 @@ def calibrate(sync: dict, fasync: dict) -> dict:
                                             f"{a_src}: engine ms/step over the sync fit, per trainer-busy share")}
 
 
-TIMES = ("decode_fixed_s", "decode_per_seq_s", "prefill_s", "publish_fixed_s", "step_overhead_s")
+TIMES = ("decode_fixed_s", "decode_per_seq_s", "decode_per_ctx_token_s", "prefill_s", "publish_fixed_s",
+         "step_overhead_s")
 
 
 def at_speed(inputs: dict, probe_s: float) -> dict:

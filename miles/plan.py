@@ -11,10 +11,13 @@ Design decisions:
   of `miles/actors/buffer.py`, batches taken in slot order, the staleness of a group counted from
   the version its first token was generated with, publishes pausing every engine.
 - An engine is continuous batching: every running sequence gets one token per decode step, and
-  a step costs `decode_fixed_s + decode_per_seq_s x running` (the fixed part is the weights read
-  or, for small models, the host's launch cost). A new request first costs its prefill.
-  Progress is kept as one counter per engine and a heap of the step counts at which its
-  sequences finish, so a simulated step costs O(log n) however long the responses are.
+  a step costs `decode_fixed_s + decode_per_seq_s x running + decode_per_ctx_token_s x context`
+  (the fixed part is the weights read or, for small models, the host's launch cost; context is
+  the tokens of every running sequence, prompt and response so far: the KV read). A new request
+  first costs its prefill. Progress is kept as one counter per engine and a heap of the step
+  counts at which its sequences finish; between events the step cost grows linearly with
+  progress (each running sequence one token per step), so the time to a given progress is a
+  quadratic's root, and a simulated step costs O(log n) however long the responses are.
 - Every input is a `Figure(value, source)` (`miles/plan_inputs.py`, with the figures per model
   size): a file and a measured run, a bench line, or "assumed: <why>". The output repeats them,
   so a prediction can be traced to its evidence.
@@ -56,19 +59,47 @@ class Deployment:
 # ----- the simulation ------------------------------------------------------------------------------
 
 class _Engine:
-    def __init__(self, fixed_s: float, per_seq_s: float):
-        self.fixed_s, self.per_seq_s = fixed_s, per_seq_s
+    def __init__(self, fixed_s: float, per_seq_s: float, per_ctx_s: float = 0.0,
+                 prompt_tokens: float = 0.0):
+        self.fixed_s, self.per_seq_s, self.per_ctx_s = fixed_s, per_seq_s, per_ctx_s
+        self.prompt_tokens = prompt_tokens
         self.t = 0.0
         self.progress = 0.0                         # decode steps done since the start
         self.targets: list[tuple[float, int]] = []  # (progress at which it ends, sample id)
+        self.starts: dict[int, float] = {}          # sample id -> progress when it started
+        self.start_sum = 0.0
         self.stall = 0.0                            # prefill seconds owed before decoding goes on
         self.paused = False
         self.slowdown = 1.0
         self.epoch = 0                              # invalidates scheduled events
         self.idle_s = self.paused_s = self.batch_s = 0.0   # batch_s: running sequences x seconds
 
+    def start(self, sid: int, length: int) -> None:
+        self.starts[sid] = self.progress
+        self.start_sum += self.progress
+        heapq.heappush(self.targets, (self.progress + length, sid))
+
+    def finish(self) -> int:
+        _, sid = heapq.heappop(self.targets)
+        self.start_sum -= self.starts.pop(sid)
+        return sid
+
     def step_s(self) -> float:
-        return (self.fixed_s + self.per_seq_s * len(self.targets)) * self.slowdown
+        """Seconds of the next decode step: fixed, per running sequence, per context token."""
+        n = len(self.targets)
+        ctx = n * (self.prompt_tokens + self.progress) - self.start_sum
+        return (self.fixed_s + self.per_seq_s * n + self.per_ctx_s * ctx) * self.slowdown
+
+    def _steps_in(self, seconds: float) -> float:
+        """Decode steps done in `seconds` from now: each step costs `step_s() + g x steps so
+        far` (g: every running sequence's context grows by one token per step)."""
+        s0, g = self.step_s(), self.per_ctx_s * len(self.targets) * self.slowdown
+        if g <= 0:
+            return seconds / s0
+        return 2 * seconds / (s0 + math.sqrt(s0 * s0 + 2 * g * seconds))  # the quadratic's root
+
+    def _seconds_for(self, steps: float) -> float:
+        return steps * self.step_s() + 0.5 * self.per_ctx_s * len(self.targets) * self.slowdown * steps * steps
 
     def advance(self, now: float) -> None:
         dt, self.t = now - self.t, now
@@ -83,12 +114,12 @@ class _Engine:
         self.batch_s += len(self.targets) * dt
         used = min(self.stall, dt)
         self.stall -= used
-        self.progress += (dt - used) / self.step_s()
+        self.progress += self._steps_in(dt - used)
 
     def next_time(self) -> float:
         if self.paused or not self.targets:
             return math.inf
-        return self.t + self.stall + max(0.0, self.targets[0][0] - self.progress) * self.step_s()
+        return self.t + self.stall + self._seconds_for(max(0.0, self.targets[0][0] - self.progress))
 
 
 @dataclass
@@ -122,7 +153,9 @@ def simulate(dep: Deployment, inp: Inputs, steps: int = 12, seed: int = 0, warmu
         raise PlanError(f"steps = {steps}: expected more than warmup = {warmup}")
     rng = np.random.default_rng(seed)
     G, S = dep.groups_per_step, dep.max_staleness
-    engines = [_Engine(inp.decode_fixed_s.value, inp.decode_per_seq_s.value) for _ in range(dep.num_engines)]
+    engines = [_Engine(inp.decode_fixed_s.value, inp.decode_per_seq_s.value,
+                       inp.decode_per_ctx_token_s.value, inp.prompt_tokens.value)
+               for _ in range(dep.num_engines)]
     events: list[tuple[float, int, str, object]] = []
     seq = [0]
 
@@ -196,7 +229,7 @@ def simulate(dep: Deployment, inp: Inputs, steps: int = 12, seed: int = 0, warmu
                 g.version = version
             e.advance(now)
             e.stall += inp.prefill_s.value
-            heapq.heappush(e.targets, (e.progress + L, sid))
+            e.start(sid, L)
             schedule(i)
         if wait_pos > 4096:                         # keep the FIFO small
             del waiting[:wait_pos]
@@ -261,7 +294,7 @@ def simulate(dep: Deployment, inp: Inputs, steps: int = 12, seed: int = 0, warmu
                 continue
             e.advance(now)
             while e.targets and e.targets[0][0] <= e.progress + 1e-9:
-                _, sid = heapq.heappop(e.targets)
+                sid = e.finish()
                 inflight -= 1
                 g = groups[sample_group.pop(sid)]
                 g.left -= 1

@@ -6,7 +6,8 @@ Design decisions:
   says how (active parameters, FLOPs, bytes); a public peer figure names its note in the shared
   reference; anything else is "assumed: <why>". `--inputs file.json` replaces any of them.
 - "tiny" is the CPU quickstart's model, calibrated by `bench/plan_calibrate.py` on the 2-core CPU
-  (its figures here are that script's output of 2026-12-01; re-run it to refresh them).
+  (its figures here are that script's output of 2026-12-03 on an idle machine; re-run it to
+  refresh them).
 - "744b-a40b" is a GLM-5-like MoE: 744B parameters, 40B active per token, FP8 engines of 8 H200
   (TP8/EP8, 744 GB of weights in 1.13 TB of HBM), bf16 training with the optimizer offloaded
   (4 bytes/parameter of weights and gradients on the GPUs: at least 32 H200).
@@ -63,6 +64,10 @@ class Inputs:
     train_overlap_slowdown: Figure  # trainer step x this while engines decode (shared cores)
     engine_overlap_slowdown: Figure  # engine step x this while the trainer trains
     keep_fraction: Figure           # groups kept by buffer.filter (the rest are handed back)
+    # ... and per context token summed over the running sequences (their KV read); 0 where
+    # decode_per_seq_s already holds an average context's
+    decode_per_ctx_token_s: Figure = Figure(0.0, "assumed 0: decode_per_seq_s holds an average "
+                                                 "context's KV read")
 
 
 def figure_fields() -> list[str]:
@@ -108,21 +113,22 @@ class ModelSize:
 def _sizes() -> dict[str, ModelSize]:
     F = Figure
     cal = ("bench/plan_calibrate.py calibration runs cal_sync / cal_async_s2 (8 groups x 4, median 24), "
-           "2-core CPU at load ~10 (2026-12-01; an idle machine is ~2x faster)")
+           "2-core CPU, idle (load ~2, 2026-12-03; at load ~10 it was ~2x slower)")
     tiny = Inputs(
-        decode_fixed_s=F(8.71e-3, f"{cal}: engine stats, ms/decode step vs batch fit, with the time between steps"),
-        decode_per_seq_s=F(0.039e-3, f"{cal}: engine stats, ms/decode step vs batch fit"),
-        prefill_s=F(1.80e-3, f"{cal}: engine stats, prefill ms per request"),
+        decode_fixed_s=F(1.87e-3, f"{cal}: engine stats, ms/decode step vs batch and context fit, with the time between steps"),
+        decode_per_seq_s=F(0.0494e-3, f"{cal}: engine stats, ms/decode step vs batch and context fit"),
+        decode_per_ctx_token_s=F(0.9e-6, f"{cal}: engine stats, ms/decode step vs batch and context fit"),
+        prefill_s=F(0.70e-3, f"{cal}: engine stats, prefill ms per request"),
         group_overhead_s=F(0.005, "assumed: rewards + PutGroup of a tiny group on the CPU, ~5 ms"),
-        train_tokens_per_s=F(3750.0, f"{cal}: trainer's train/step_s over train/tokens (sync run)"),
+        train_tokens_per_s=F(9315.0, f"{cal}: trainer's train/step_s over train/tokens (sync run)"),
         train_fixed_s=F(0.0, f"{cal}: step time proportional to tokens"),
-        publish_fixed_s=F(0.0166, f"{cal}: weights/stall_s (1.4 MB)"),
+        publish_fixed_s=F(0.0119, f"{cal}: weights/stall_s (1.4 MB)"),
         publish_s_per_gb=F(0.0, "assumed: 1.4 MB of weights, the fixed part dominates"),
         weight_gb=F(0.0014, "the quickstart model: 361,216 fp32 parameters"),
-        step_overhead_s=F(0.017, f"{cal}: perf/step_s - train/step_s - weights/stall_s"),
+        step_overhead_s=F(0.0094, f"{cal}: perf/step_s - train/step_s - weights/stall_s"),
         prompt_tokens=F(5.5, f"{cal}: train/tokens per sample - rollout/response_len"),
-        train_overlap_slowdown=F(1.28, f"{cal}: trainer seconds per token, fully_async over sync"),
-        engine_overlap_slowdown=F(2.67, f"{cal}: engine ms/step in fully_async over the sync fit, "
+        train_overlap_slowdown=F(1.21, f"{cal}: trainer seconds per token, fully_async over sync"),
+        engine_overlap_slowdown=F(1.28, f"{cal}: engine ms/step in fully_async over the sync fit, "
                                         f"per trainer-busy share"),
         keep_fraction=F(1.0, "assumed: buffer.filter none (bench recipes); measure buffer/filtered otherwise"))
 

@@ -87,6 +87,7 @@ def test_inputs_file_overrides_and_bad_figures(tmp_path):
 
 def _inputs(**changes):
     base = model_sizes()["tiny"].inputs
+    changes = {"decode_per_ctx_token_s": 0.0, **changes}  # the closed forms below leave it out
     return replace(base, **{k: Figure(v, "test") for k, v in changes.items()})
 
 
@@ -110,6 +111,28 @@ def test_sync_step_is_generation_plus_training_plus_stall():
     assert res.step_s == pytest.approx(gen + train + 0.03, rel=1e-6)
     assert res.staleness_max == 0
     assert res.trainer_idle_frac == pytest.approx(gen / (gen + train + 0.03), rel=1e-6)
+
+
+def test_decode_steps_grow_with_the_batchs_context():
+    """With a per-context-token cost, each step reads every running sequence's prompt and the
+    tokens made so far: L steps of N sequences cost L x (fixed + N x per_seq + c x N x prompt)
+    + c x N x L^2 / 2 (the context grows by N tokens a step)."""
+    c = 2e-6
+    inp = _inputs(decode_fixed_s=2e-3, decode_per_seq_s=1e-4, prefill_s=1e-3, group_overhead_s=5e-3,
+                  train_tokens_per_s=5000.0, train_fixed_s=0.02, publish_fixed_s=0.03,
+                  publish_s_per_gb=0.0, step_overhead_s=0.01, prompt_tokens=6.0,
+                  train_overlap_slowdown=1.0, engine_overlap_slowdown=1.0, keep_fraction=1.0,
+                  decode_per_ctx_token_s=c)
+    G, n, L = 4, 4, 200
+    res = simulate(_dep(groups=G, n=n, lengths=Lengths(L, 0.0, 4 * L, "fixed")), inp, steps=6)
+    N = G * n
+    decode = L * (2e-3 + 1e-4 * N + c * N * 6.0) + c * N * L * L / 2
+    gen = N * 1e-3 + decode + 5e-3
+    train = 0.02 + N * (L + 6) / 5000.0 + 0.01
+    assert res.step_s == pytest.approx(gen + train + 0.03, rel=1e-6)
+    flat = simulate(_dep(groups=G, n=n, lengths=Lengths(L, 0.0, 4 * L, "fixed")),
+                    replace(inp, decode_per_ctx_token_s=Figure(0.0, "off")), steps=6)
+    assert res.step_s - flat.step_s == pytest.approx(c * N * (6.0 * L + L * L / 2), rel=1e-6)
 
 
 def test_fully_async_with_fast_training_approaches_the_generation_bound():

@@ -306,11 +306,13 @@ class Scheduler:
                         self._window.add("prefill_reqs", len(batch))
                     elif self.running:
                         n = len(self.running)
+                        ctx = sum(len(r.input_ids) + len(r.output_ids) for r in self.running)
                         await self._decode()
                         self._decodes_since_prefill += 1
                         self._window.add("decode_s", time.perf_counter() - t)
                         self._window.add("decodes", 1)
                         self._window.add("decode_rows", n)
+                        self._window.add("decode_ctx", ctx)
                 except Exception as e:  # a bug in one step must not kill the server
                     log.exception("engine step failed; aborting the requests of that step")
                     for req in list(self.running) + self._prefilling:
@@ -328,14 +330,15 @@ class Scheduler:
         log.info("engine stats over %.1f s: decode %d steps, batch %.1f, %.2f ms/step | prefill %d "
                  "(%d requests, %.1f ms) | paused %.1f ms, idle %.1f ms | %.0f tok/s | "
                  "running %d, waiting %d | prefix cache hit rate %.3f, %d tokens | cuda graphs captured %d (%.1f ms, %d in all) | "
-                 "compute thread: decode %.2f ms/step, prefill %.1f ms",
+                 "compute thread: decode %.2f ms/step, prefill %.1f ms | context %.1f tokens/step",
                  w.age(), steps, g("decode_rows") / max(steps, 1), 1e3 * g("decode_s") / max(steps, 1),
                  g("prefills"), g("prefill_reqs"), 1e3 * g("prefill_s"), 1e3 * g("paused_s"),
                  1e3 * g("idle_s"), (self.stats["generated_tokens"] - w.tokens0) / max(w.age(), 1e-9),
                  len(self.running), len(self.waiting), self.cache_hit_rate(),
                  self.cache.tokens if self.cache else 0, captured - w.captured0,
                  1e3 * ((self.runner.graphs.capture_s if self.runner.graphs else 0.0) - w.capture_s0),
-                 captured, 1e3 * g("decode_compute_s") / max(steps, 1), 1e3 * g("prefill_compute_s"))
+                 captured, 1e3 * g("decode_compute_s") / max(steps, 1), 1e3 * g("prefill_compute_s"),
+                 g("decode_ctx") / max(steps, 1))
         self._window.tokens0 = self.stats["generated_tokens"]
         self._window.captured0 = captured
         self._window.capture_s0 = self.runner.graphs.capture_s if self.runner.graphs else 0.0
