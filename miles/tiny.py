@@ -9,6 +9,11 @@ Design decisions:
   the LM head cheap, which is what makes CPU runs fast.
 - Everything is cached under a directory keyed by its arguments; building twice is a no-op, and a
   build is written to a temporary directory and renamed so a crash never leaves a half-written one.
+  A build is complete only with its required files (a model: config.json and its weights); a
+  cached directory missing one is built again.
+- transformers' `save_pretrained` writes nothing on a rank other than 0 once torch.distributed
+  is up (seen: a Megatron test's rank 1 built a teacher first and cached a model directory with
+  a tokenizer only). Such a rank builds in a fresh child process instead.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -47,13 +54,18 @@ def _key(**kwargs) -> str:
     return hashlib.sha256(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _build_atomically(final: Path, build) -> Path:
+def _build_atomically(final: Path, build, required: tuple[str, ...] = ()) -> Path:
     if (final / ".complete").exists():
-        return final
+        if all((final / name).exists() for name in required):
+            return final
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete build cached by older code
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
     try:
         build(tmp)
+        missing = [name for name in required if not (tmp / name).exists()]
+        if missing:
+            raise RuntimeError(f"building {final.name}: {', '.join(missing)} not written")
         (tmp / ".complete").touch()
         try:
             tmp.rename(final)
@@ -115,6 +127,9 @@ def build_tiny_model(out_dir: str | Path | None = None, arch: str = "qwen3", see
     out = Path(out_dir) if out_dir else (
         default_cache_dir() / f"{arch}-{_key(a=arch, s=seed, o=overrides, t=str(tok_dir))}")
 
+    if _distributed_rank() not in (None, 0) and not (out / ".complete").exists():
+        return _build_in_child(out, arch, seed, tok_dir, overrides)
+
     def build(tmp: Path) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -132,4 +147,30 @@ def build_tiny_model(out_dir: str | Path | None = None, arch: str = "qwen3", see
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
 
-    return _build_atomically(out, build)
+    return _build_atomically(out, build, required=("config.json", "model.safetensors"))
+
+
+def _distributed_rank() -> int | None:
+    """This process's torch.distributed rank, or None when it is not initialized (or no torch)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank()
+
+
+def _build_in_child(out: Path, arch: str, seed: int, tok_dir: Path, overrides: dict) -> Path:
+    code = ("import json, sys; from miles.tiny import build_tiny_model; a = json.loads(sys.argv[1]); "
+            "build_tiny_model(a['out'], a['arch'], a['seed'], a['tok'], **a['overrides'])")
+    args = json.dumps({"out": str(out), "arch": arch, "seed": seed, "tok": str(tok_dir),
+                       "overrides": overrides})
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True,
+                              text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"building {out.name} in a child process: no result within 600 s") from None
+    if proc.returncode != 0 or not (out / ".complete").exists():
+        raise RuntimeError(f"building {out.name} in a child process failed (exit {proc.returncode}): "
+                           f"{(proc.stderr or proc.stdout)[-2000:]}")
+    return out
