@@ -54,16 +54,23 @@ def _key(**kwargs) -> str:
     return hashlib.sha256(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _has(folder: Path, name: str) -> bool:
+    """`name` exists in `folder`; "a|b": one of them does."""
+    return any((folder / alt).exists() for alt in name.split("|"))
+
+
 def _build_atomically(final: Path, build, required: tuple[str, ...] = ()) -> Path:
+    """`build(tmp)` once into a temporary directory, renamed to `final` with a `.complete`
+    marker; `required` files (or "a|b" alternatives) must be there for it to count."""
     if (final / ".complete").exists():
-        if all((final / name).exists() for name in required):
+        if all(_has(final, name) for name in required):
             return final
         shutil.rmtree(final, ignore_errors=True)  # an incomplete build cached by older code
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
     try:
         build(tmp)
-        missing = [name for name in required if not (tmp / name).exists()]
+        missing = [name for name in required if not _has(tmp, name)]
         if missing:
             raise RuntimeError(f"building {final.name}: {', '.join(missing)} not written")
         (tmp / ".complete").touch()
@@ -147,7 +154,7 @@ def build_tiny_model(out_dir: str | Path | None = None, arch: str = "qwen3", see
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
 
-    return _build_atomically(out, build, required=("config.json", "model.safetensors"))
+    return _build_atomically(out, build, required=("config.json", "model.safetensors|model.safetensors.index.json"))
 
 
 def _distributed_rank() -> int | None:

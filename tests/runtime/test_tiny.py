@@ -42,7 +42,7 @@ def test_a_cached_directory_without_its_weights_is_built_again(cache):
 
 
 def test_a_build_that_writes_no_weights_is_never_marked_complete(cache, tmp_path):
-    with pytest.raises(RuntimeError, match="model.safetensors not written"):
+    with pytest.raises(RuntimeError, match="model.safetensors\\|model.safetensors.index.json not written"):
         tiny._build_atomically(tmp_path / "m", lambda d: (d / "config.json").write_text("{}"),
-                               required=("config.json", "model.safetensors"))
+                               required=("config.json", "model.safetensors|model.safetensors.index.json"))
     assert not (tmp_path / "m").exists()
