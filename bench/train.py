@@ -24,10 +24,15 @@ batch, in the same process, and the line is {"bench": "train", "model", "machine
 
 - Megatron (`--backend megatron`): TP=1 on one device, local layer spec (no Transformer Engine),
   megatron's optimizer with fp32 main params (distributed optimizer over a DP of 1).
+- `--quant-train bf16,fp8,fp8-rowwise`: each backend once per training precision (`quant.train`:
+  torchao float8 with tensorwise or rowwise scales on the Linears the keep list quantizes; FSDP
+  only), keyed `fsdp`, `fsdp+fp8`, `fsdp+fp8-rowwise`. MFU counts the same flops against the bf16
+  limit for every precision, so FP8's figure says how much of the bf16 limit it reaches.
 
 Usage: .venv/bin/python bench/train.py [--backend fsdp|megatron|megatron,fsdp] [--model qwen2-1.5b|tiny] [--microbatches 4]
        [--microbatch-tokens 8192] [--steps 3] [--attention packed|sdpa] [--recompute-pass]
        [--compile auto|on|off] [--no-master] [--gradient-checkpointing] [--profile FILE]
+       [--quant-train bf16,fp8]
 """
 
 from __future__ import annotations
@@ -178,6 +183,8 @@ def main() -> None:
                     help="train.compile (auto: the backend's default, on with CUDA)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="after timing, profile one more step; kernel table written to this file")
+    ap.add_argument("--quant-train", default="bf16",
+                    help="comma list of bf16, fp8 (torchao tensorwise), fp8-rowwise (FSDP only)")
     args = ap.parse_args()
     tokens_per_mb = args.microbatch_tokens or (8192 if args.model != "tiny" else 512)
     if tokens_per_mb & (tokens_per_mb - 1):
@@ -187,17 +194,25 @@ def main() -> None:
     names = [n.strip() for n in args.backend.split(",") if n.strip()]
     if not names or any(n not in ("fsdp", "megatron") for n in names):
         ap.error(f"--backend={args.backend!r}: expected fsdp, megatron or a comma list of them")
+    quants = [q.strip() for q in args.quant_train.split(",") if q.strip()]
+    if not quants or any(q not in ("bf16", "fp8", "fp8-rowwise") for q in quants):
+        ap.error(f"--quant-train={args.quant_train!r}: expected bf16, fp8, fp8-rowwise or a comma list")
+    if "megatron" in names and quants != ["bf16"]:
+        ap.error("--quant-train: FP8 training is FSDP-only (quant.train is refused on Megatron)")
     model_dir = build_model_dir(args.model, args.model_dir)
-    results = {name: run_backend(name, args, model_dir, tokens_per_mb) for name in names}
+    results = {(name if q == "bf16" else f"{name}+{q}"): run_backend(name, args, model_dir, tokens_per_mb, q)
+               for name in names for q in quants}
     if len(results) == 1:
-        print(json.dumps({"bench": "train", "backend": names[0], **results[names[0]]}))
+        print(json.dumps({"bench": "train", "backend": names[0], **next(iter(results.values()))}))
     else:
         print(json.dumps({"bench": "train", "model": args.model, "machine": machine(), "backends": results}))
 
 
-def run_backend(name: str, args, model_dir: Path, tokens_per_mb: int) -> dict:
+def run_backend(name: str, args, model_dir: Path, tokens_per_mb: int, quant: str = "bf16") -> dict:
     from miles.algo import LossConfig
     from miles.backends import RankInfo, TrainConfig, make_backend
+    from miles.quant.config import QuantConfig
+    from miles.quant.train import training_transform
 
     cuda = torch.cuda.is_available()
     cfg = TrainConfig(backend=name, model_path=str(model_dir), param_dtype="bfloat16" if cuda else "float32",
@@ -207,6 +222,9 @@ def run_backend(name: str, args, model_dir: Path, tokens_per_mb: int) -> dict:
                       gradient_checkpointing=args.gradient_checkpointing,
                       compile={"auto": None, "on": True, "off": False}[args.compile])
     backend = make_backend(name)
+    if quant != "bf16":  # what the trainer actor does for quant.train (before init builds the model)
+        backend.lm_transform = training_transform(QuantConfig(
+            train="fp8", fp8_recipe="rowwise" if quant == "fp8-rowwise" else "tensorwise"))
     backend.init(cfg, RankInfo(), LossConfig(advantage_estimator="grpo"))
     vocab = backend.vocab_size
     samples = make_batch(vocab, args.microbatches, tokens_per_mb)
@@ -227,7 +245,9 @@ def run_backend(name: str, args, model_dir: Path, tokens_per_mb: int) -> dict:
     step_s = statistics.median(times)
     profile = {}
     if args.profile and cuda:
-        path = args.profile if len(args.backend.split(",")) == 1 else args.profile.with_suffix(f".{name}.txt")
+        tag = name if quant == "bf16" else f"{name}+{quant}"
+        path = args.profile if len(args.backend.split(",")) == 1 and args.quant_train == "bf16" \
+            else args.profile.with_suffix(f".{tag}.txt")
         profile = profile_step(backend, samples, path, step_s)
     tokens = sum(len(s.tokens) for s in samples)
     flops = count_flops(model_dir, samples, args.recompute_pass)
@@ -240,7 +260,7 @@ def run_backend(name: str, args, model_dir: Path, tokens_per_mb: int) -> dict:
         "tokens_per_step": tokens, "microbatches": int(metrics.get("microbatches", 0)) or None,
         "microbatch_tokens": tokens_per_mb, "tflops_per_step": round(flops / 1e12, 2),
         "attention": args.attention + ("+varlen" if packed_attention._varlen_fn is not None else ""),
-        "recompute_pass": args.recompute_pass, "master_fp32": not args.no_master,
+        "recompute_pass": args.recompute_pass, "master_fp32": not args.no_master, "quant_train": quant,
         "compile": getattr(backend, "use_compile", None),
         "loss": round(metrics["loss"], 6), "grad_norm": round(metrics["grad_norm"], 4),
         **profile,

@@ -28,7 +28,9 @@ Prints one JSON line per model:
   `resume_s`, medians over the rounds (PublishReport.metrics; `background_s`: disk_delta's
   transfer and prepare while the engine serves). `--transport colocated` (one GPU, CUDA IPC)
   reports `hbm_copy_s` (one device copy of the same bytes) and `stall_over_copy` = (stall - pause
-  - resume) / hbm_copy_s (target <= 1.3); `--transport disk_delta` changes every weight a little
+  - resume) / hbm_copy_s (target <= 1.3): by default the trainer writes into the engine's own
+  weights (weights.colocated_direct); `--colocated-buckets` times the flat-bucket path instead
+  (the engine copies each bucket out: two copies per byte). `--transport disk_delta` changes every weight a little
   before each publish, so each delta is a real one.
 - Output as it is measured: per model and variant, a `"part": "publish"` line as soon as its
   rounds are timed, then the whole line once the check and the delta are done. `--budget-s`
@@ -46,7 +48,8 @@ Prints one JSON line per model:
 
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
        [--inflight 3] [--direct-kb 8192] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
-       [--no-check] [--no-delta] [--transport nccl|colocated|disk|disk_delta] [--budget-s 80]
+       [--no-check] [--no-delta] [--transport nccl|colocated|disk|disk_delta] [--colocated-buckets]
+       [--budget-s 80]
 """
 
 from __future__ import annotations
@@ -314,6 +317,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
         cfg = WeightsConfig(transport=kind, bucket_bytes=variants[0][0], group_backend=backend,
                             queue_depth=args.queue_depth, inflight_buckets=variants[0][1],
                             direct_min_bytes=variants[0][2], connect_timeout_s=300,
+                            colocated_direct=not args.colocated_buckets,
                             disk_dir=str(work / "disk") if kind in ("disk", "disk_delta") else "")
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
@@ -364,6 +368,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 "paused_s": statistics.median(paused),
                 "bucket_bytes": vb, "inflight_buckets": vi, "buckets": math.ceil(nbytes / vb),
                 "direct_min_bytes": vd, "direct_tensors": direct, "publish_s_all": pub_s,
+                "colocated_direct": cfg.colocated_direct if kind == "colocated" else None,
                 "stall_s_all": [m["weights/stall_s"] for m in parts],
                 "ordered_calls": getattr(transport, "_ordered", None), "rounds": args.rounds,
                 "checked_tensors": 0, **(timeline_summary(transport) if kind == "nccl" else {})})
@@ -416,6 +421,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--transport", default="nccl", choices=["nccl", "colocated", "disk", "disk_delta"],
                    help="colocated: trainer and engine on one GPU (CUDA IPC)")
+    p.add_argument("--colocated-buckets", action="store_true",
+                   help="colocated: flat buckets the engine copies out (weights.colocated_direct = "
+                        "false) instead of writing into the engine's weights")
     p.add_argument("--trainer-device", default=None)
     p.add_argument("--engine-device", default=None)
     p.add_argument("--delta-threads", type=int, default=min(16, os.cpu_count() or 2))

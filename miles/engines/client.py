@@ -550,6 +550,10 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         return await self._post("/update_weights_from_tensor", body, timeout_s=self.weight_update_timeout_s)
 
+    async def ipc_weight_targets(self) -> dict:
+        """Miles' embedded engine: its weight storages by CUDA IPC (miles.weights.cuda_ipc.IpcTargets)."""
+        return await self._get("/ipc_weight_targets")
+
     async def update_weight_version(self, new_version: str | int, *, abort_all_requests: bool = False) -> dict:
         # SGLang defaults abort_all_requests to True; Miles never wants that implicitly.
         return await self._post("/update_weight_version", {"new_version": str(new_version),

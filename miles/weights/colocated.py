@@ -10,20 +10,38 @@ Design decisions:
   `engine_urls[rank]`. The publisher on rank 0 still pauses, versions and resumes all engines.
 - The engine answers once it has copied the bucket, so the trainer keeps the bucket's memory
   exactly that long; the next bucket is gathered and flattened meanwhile (the send pipeline).
+- Direct writes (`weights.colocated_direct`, on by default): the engine shares its own weight
+  storages once (`GET /ipc_weight_targets`, cuda_ipc.IpcTargets), and the trainer writes every
+  exported tensor whose name, shape and dtype match straight into the engine's view of it once
+  the engines are paused: one device copy per byte, no flat bucket, no engine-side copy. One
+  `miles_cuda_ipc_direct` call per publish, posted as the writes start, checks the engine
+  instance's token, flushes its prefix cache and sets the version (`sets_version`), so it costs
+  the stall nothing. Whatever has no view (FP8-held linears, quantized formats) still goes by flat
+  buckets. Each publish first checks the engine's token (overlapped with the pause), and maps a
+  restarted engine's storages again.
+- Only a rank the publisher gates writes directly (the one that pauses the engines): another rank
+  has no signal that its engine is paused, so it keeps flat buckets, which the engine applies
+  under its step lock.
 - There is no CUDA IPC on CPU: `connect` says so and names the transports that work there.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
+import msgspec
 import torch
 
+from miles.engines.client import EngineRequestError
+from miles.weights import cuda_ipc
 from miles.weights.base import TransferStats, WeightTransport
-from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline
+from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline, wait_stream
 from miles.weights.config import WeightsConfig
 from miles.weights.cuda_ipc import FORMAT, encode_bucket
-from miles.weights.engine_calls import EngineCalls
+from miles.weights.engine_calls import EngineCallError, EngineCalls
+
+log = logging.getLogger(__name__)
 
 
 class ColocatedTransport(WeightTransport):
@@ -40,6 +58,14 @@ class ColocatedTransport(WeightTransport):
         self._coalescer: Coalescer | None = None
         self._error: BaseException | None = None
         self._version = -1
+        self._targets: dict[str, torch.Tensor] = {}  # name -> the engine's own weight (mapped)
+        self._token = ""                             # the engine instance those views belong to
+        self._direct_call = None                     # this publish's miles_cuda_ipc_direct call
+        self._direct_written = 0
+
+    @property
+    def sets_version(self) -> bool:  # type: ignore[override]
+        return bool(self._token)  # the direct call sets it (even when no tensor went direct)
 
     def connect(self, engine_urls: list[str]) -> None:
         if not torch.cuda.is_available():
@@ -60,12 +86,38 @@ class ColocatedTransport(WeightTransport):
         if info.get("device") and not str(info["device"]).startswith("cuda"):
             raise RuntimeError(f"transport='colocated': engine {self.engine_url} runs on "
                                f"{info['device']}, not on a GPU")
+        self._targets, self._token = {}, ""
+        if self.cfg.colocated_direct and self.rank == 0:
+            self._map_targets()
+
+    def _map_targets(self) -> None:
+        """Fetch the engine's IpcTargets; map them when they belong to an engine instance other
+        than the one mapped (the first time, or after a restart)."""
+        try:
+            raw = self._calls.call_all("ipc_weight_targets", what="ipc_weight_targets")[0]
+        except EngineCallError as e:
+            cause = e.__cause__
+            if self._token or not (isinstance(cause, EngineRequestError) and cause.status == 404):
+                raise
+            log.warning("colocated: engine %s has no /ipc_weight_targets (not Miles' embedded "
+                        "engine); publishing by flat buckets", self.engine_url)
+            return
+        targets = msgspec.convert(raw, cuda_ipc.IpcTargets)
+        if targets.token != self._token:
+            self._targets, self._token = {}, ""   # unmap a previous instance's storages first
+            self._targets = cuda_ipc.open_targets(targets)
+            self._token = targets.token
+            log.info("colocated: mapped %d weights of engine %s in %d storages (direct writes)",
+                     len(self._targets), self.engine_url, len(targets.storages))
 
     def begin(self, version: int) -> None:
         if self._calls is None:
             raise RuntimeError("begin: the colocated transport is not connected; call connect(engine_urls)")
         self._version, self._error = version, None
         self._stats = TransferStats()
+        self._direct_call, self._direct_written = None, 0
+        if self._token:  # overlapped with the pause: the publisher pauses while this runs
+            self._map_targets()
         self._pipeline = SendPipeline(self._send, depth=self.cfg.queue_depth,
                                       timeout_s=self.cfg.bucket_timeout_s, name="weights-ipc-send")
         self._pipeline.start()
@@ -80,9 +132,38 @@ class ColocatedTransport(WeightTransport):
         if self._error is not None:
             return  # keep the backend iterating (collective gather); finish() reports
         try:
-            self._coalescer.add(named_tensors)
+            rest = named_tensors
+            if self._targets:
+                direct, rest = [], []
+                for name, t in named_tensors:
+                    dst = self._targets.get(name)
+                    if dst is not None and dst.shape == t.shape and dst.dtype == t.dtype \
+                            and dst.device == t.device:
+                        direct.append((dst, t))
+                    else:
+                        rest.append((name, t))
+                if direct:
+                    self._start_direct()
+                    with torch.no_grad():
+                        for dst, t in direct:
+                            dst.copy_(t, non_blocking=True)  # stream-ordered before t is freed
+                    self._direct_written += len(direct)
+            if rest:
+                self._coalescer.add(rest)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
+
+    def _start_direct(self) -> None:
+        """Once per publish, before the first direct write: wait until the engines are paused,
+        then post the call that flushes the engine's cache and sets the version."""
+        if self._direct_call is not None:
+            return
+        if self.send_gate is not None:
+            self.send_gate.wait(self.cfg.pause_timeout_s + 30.0)
+        payload = msgspec.json.encode(cuda_ipc.DirectWrite(self._token)).decode()
+        self._direct_call = self._calls.submit(
+            0, "update_weights_from_tensor", [payload], load_format=cuda_ipc.DIRECT_FORMAT,
+            weight_version=self._version, timeout_s=self.cfg.bucket_timeout_s)
 
     def finish(self, version: int) -> None:
         if self._coalescer is None or self._pipeline is None:
@@ -90,9 +171,16 @@ class ColocatedTransport(WeightTransport):
         try:
             if self._error is None:
                 self._coalescer.flush()
+                if self._token:
+                    self._start_direct()  # sets the version even when nothing went direct
                 t = time.perf_counter()  # the engines copying the last buckets out of the handles
                 self._pipeline.drain()
+                if self._direct_call is not None:
+                    wait_stream(torch.cuda.current_stream())  # the direct writes are in
+                    self._calls.wait([self._direct_call], f"version {self._version}: the engine's "
+                                     f"{cuda_ipc.DIRECT_FORMAT} call", self.cfg.bucket_timeout_s)
                 self._stats.load_s = time.perf_counter() - t
+                self._stats.direct_tensors = self._direct_written
                 self._stats.buckets = self._coalescer.buckets
                 self._stats.payload_bytes = self._stats.bytes
         except Exception as e:  # noqa: BLE001
@@ -130,6 +218,7 @@ class ColocatedTransport(WeightTransport):
         return None
 
     def close(self) -> None:
+        self._targets, self._token = {}, ""
         if self._calls is not None:
             self._calls.close()
             self._calls = None

@@ -64,6 +64,8 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     direct_min_bytes: int = 8 << 20      # embedded engines: tensors this large go zero-copy, each
     #   straight into the engine's parameter (0: all flattened). Smaller ones cost more as NCCL ops
     #   of their own than their copies do (H200, 7B: 1 MiB 0.061 s, 8 MiB 0.054 s, flat 0.062 s)
+    colocated_direct: bool = True        # colocated: write into the engine's own weights (CUDA IPC
+    #   views it shares once), one device copy per byte; false: flat buckets the engine copies out
 
     # --- disk / disk_delta ---
     disk_dir: str = ""                   # where versions are written (shared with the engines)

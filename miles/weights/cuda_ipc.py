@@ -14,9 +14,17 @@ Design decisions:
   clear error saying the transport needs the trainer and engine on the same GPU.
 - One handle per bucket: a bucket is one flat tensor (miles/weights/buckets.py), so a 1 GB bucket
   is one `cudaIpcOpenMemHandle` on the engine and one device copy per weight.
+- The other direction (`IpcTargets`, load_format "miles_cuda_ipc_direct"): the engine shares its
+  own weight storages once, each as one flat uint8 tensor, plus where every checkpoint name lies
+  in them (`IpcView`: storage, byte offset, shape, dtype; contiguous views only). The trainer maps
+  them once per engine instance (`token`) and writes each exported tensor straight into its view:
+  one device copy per byte, the HBM-speed floor. Engine weights are allocated once and never
+  freed while the engine lives, so holding the mapping never keeps freed memory alive.
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 import torch
@@ -52,6 +60,31 @@ class IpcBucket(msgspec.Struct, forbid_unknown_fields=True):
     names: list[str]
     shapes: list[list[int]]
     format: str = FORMAT
+
+
+DIRECT_FORMAT = "miles_cuda_ipc_direct"  # the trainer wrote into the engine's IpcTargets
+
+
+class IpcView(msgspec.Struct, array_like=True):
+    """Where one checkpoint name lies in a shared engine storage (a contiguous view)."""
+    name: str
+    storage: int                # index into IpcTargets.storages
+    offset_bytes: int
+    shape: list[int]
+    dtype: str
+
+
+class IpcTargets(msgspec.Struct, forbid_unknown_fields=True):
+    """An engine's weight storages and views, for a trainer on the same GPU to write into."""
+    token: str                  # this engine instance's; a write names it (DirectWrite)
+    storages: list[IpcTensor]   # each a 1-D uint8 tensor over one whole storage
+    views: list[IpcView]
+
+
+class DirectWrite(msgspec.Struct, forbid_unknown_fields=True):
+    """`serialized_named_tensors[0]` of a miles_cuda_ipc_direct update: the trainer is writing
+    into the views of the IpcTargets that carry this token (posted as the writes start)."""
+    token: str
 
 
 def device_uuid(index: int) -> str:
@@ -132,3 +165,22 @@ def decode_bucket(payload: str) -> IpcBucket:
         raise ValueError(f"serialized_named_tensors[0]: {len(bucket.names)} names but "
                          f"{len(bucket.shapes)} shapes")
     return bucket
+
+
+def open_targets(targets: IpcTargets) -> dict[str, torch.Tensor]:
+    """Map an engine's IpcTargets (each storage once): checkpoint name -> a writable view of the
+    engine's own weight. The views keep the mappings; drop them to unmap."""
+    bases = [open_tensor(d) for d in targets.storages]
+    out = {}
+    for v in targets.views:
+        if v.dtype not in _DTYPES or not 0 <= v.storage < len(bases):
+            raise ValueError(f"CUDA IPC targets: view {v.name!r} names dtype {v.dtype!r} and storage "
+                             f"{v.storage} of {len(bases)}")
+        dtype = _DTYPES[v.dtype]
+        nbytes = math.prod(v.shape) * dtype.itemsize
+        base = bases[v.storage]
+        if v.offset_bytes < 0 or v.offset_bytes + nbytes > base.numel() or v.offset_bytes % dtype.itemsize:
+            raise ValueError(f"CUDA IPC targets: view {v.name!r} ({nbytes} bytes at {v.offset_bytes}) "
+                             f"does not fit storage {v.storage} ({base.numel()} bytes)")
+        out[v.name] = base[v.offset_bytes:v.offset_bytes + nbytes].view(dtype).view(v.shape)
+    return out

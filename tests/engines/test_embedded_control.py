@@ -207,6 +207,14 @@ async def test_update_from_tensor_and_bad_update_leaves_weights(setup):
             await c.update_weights_from_tensor(["gASVAAAAAAAAAACMAWGULg=="])
         with pytest.raises(EngineRequestError, match="not a directory"):
             await c.update_weights_from_disk("/nonexistent/ckpt")
+        # colocated direct writes need CUDA IPC targets; a CPU engine refuses both halves by name
+        with pytest.raises(EngineRequestError, match="CUDA IPC targets need an engine on CUDA"):
+            await c.ipc_weight_targets()
+        with pytest.raises(EngineRequestError, match="token 'stale' is not this engine's"):
+            await c.update_weights_from_tensor(['{"token": "stale"}'], load_format="miles_cuda_ipc_direct",
+                                               weight_version="10")
+        with pytest.raises(EngineRequestError, match="not a miles_cuda_ipc_direct write"):
+            await c.update_weights_from_tensor(['{"token": 1}'], load_format="miles_cuda_ipc_direct")
         assert await c.weights_checksum() == before
         assert (await c.model_info())["weight_version"] == "9"
 

@@ -58,7 +58,8 @@ def nudge(model, scale: float = 1e-2) -> None:
             p.add_(torch.randn_like(p) * scale)
 
 
-async def test_colocated_cuda_ipc_from_the_fsdp_backend(tmp_path):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buckets"])
+async def test_colocated_cuda_ipc_from_the_fsdp_backend(tmp_path, direct):
     path = build_tiny_model(**MODEL)
     engine = await launch_embedded_engine(path, extra_args=["--device", "cuda:0", *ENGINE],
                                           log_path=tmp_path / "engine.log")
@@ -67,13 +68,18 @@ async def test_colocated_cuda_ipc_from_the_fsdp_backend(tmp_path):
         backend.init(TrainConfig(model_path=str(path), param_dtype="bfloat16", lr=1e-4), RankInfo(),
                      LossConfig(loss_type="sft", loss_reduction="token"))
         await asyncio.to_thread(backend.train, make_samples(groups=2, per_group=2, seed=7))
-        cfg = WeightsConfig(transport="colocated", check_weights=True, bucket_bytes=8 << 20)
+        cfg = WeightsConfig(transport="colocated", check_weights=True, bucket_bytes=8 << 20,
+                            colocated_direct=direct)
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
         for version in (1, 2):
             report = await publisher.publish(version, lambda v=version: backend.update_weights(transport, v))
-            assert report.checked and report.buckets >= 2
+            assert report.checked  # every engine parameter's checksum equals the trainer's
+            if direct:  # written straight into the engine's views: no flat bucket
+                assert report.direct_tensors == report.tensors > 0 and report.buckets == 0
+            else:
+                assert report.buckets >= 2 and report.direct_tensors == 0
             m = report.metrics()  # stall time: the parts add up, the load tail is measured
             assert m["weights/stall_s"] == pytest.approx(sum(m[f"weights/{k}_s"] for k in (
                 "pause", "transfer", "load", "version", "resume")))

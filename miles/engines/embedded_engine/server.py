@@ -100,6 +100,7 @@ class EngineServer:
         self._recv_timing: dict[str, float] = {}
         self.weights_serial = 0  # bumped by every weight change (a prepared delta checks it)
         self.delta = DeltaUpdates(self)
+        self._ipc_targets = None  # (cuda_ipc.IpcTargets, its JSON, the shared flat tensors kept)
 
     def _detok(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -129,6 +130,7 @@ class EngineServer:
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_get("/ipc_weight_targets", self.ipc_weight_targets)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
@@ -482,6 +484,9 @@ class EngineServer:
     async def pause_generation(self, request) -> web.Response:
         body = decode_body(await request.read(), P.PauseGenerationReq, "pause_generation")
         await self.scheduler.pause(body.mode)
+        weights = self.runner.model.weights
+        if weights.device.type == "cuda":  # idle device: a colocated trainer may write the weights now
+            await self.scheduler.run_compute(W.sync_device, weights)
         return _json({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request) -> web.Response:
@@ -550,12 +555,20 @@ class EngineServer:
     async def update_weights_from_tensor(self, request) -> web.Response:
         self._single_rank("/update_weights_from_tensor")
         b = decode_body(await request.read(), P.UpdateWeightsFromTensorReq, "update_weights_from_tensor")
-        if b.load_format not in (None, "safetensors", "direct", W.CUDA_IPC_FORMAT):
+        if b.load_format not in (None, "safetensors", "direct", W.CUDA_IPC_FORMAT, W.CUDA_IPC_DIRECT):
             raise BadRequest(f"load_format: {b.load_format!r} is not supported by the embedded engine "
                              f"(base64 safetensors payloads, or {W.CUDA_IPC_FORMAT!r})", "load_format")
         if len(b.serialized_named_tensors) != 1:
             raise BadRequest(f"serialized_named_tensors: {len(b.serialized_named_tensors)} entries; "
                              "this engine has tp_size 1, send exactly one", "serialized_named_tensors")
+        if b.load_format == W.CUDA_IPC_DIRECT:
+            targets = self._ipc_targets[0] if self._ipc_targets is not None else None
+            try:
+                W.check_direct_write(targets, b.serialized_named_tensors[0])
+            except ValueError as e:
+                raise BadRequest(str(e), "serialized_named_tensors") from None
+            return await self._update(lambda: None, weight_version=b.weight_version,
+                                      abort_all=b.abort_all_requests)
         if b.load_format == W.CUDA_IPC_FORMAT:
             return await self._update(W.apply_cuda_ipc_bucket, self.runner.model.weights,
                                       b.serialized_named_tensors[0], weight_version=b.weight_version,
@@ -567,6 +580,21 @@ class EngineServer:
             raise BadRequest(str(e), "serialized_named_tensors") from None
         return await self._update(W.apply_named_tensors, self.runner.model.weights, named,
                                   weight_version=b.weight_version, abort_all=b.abort_all_requests)
+
+    async def ipc_weight_targets(self, _request) -> web.Response:
+        """This engine's weight storages by CUDA IPC (weights.ipc_targets), shared once per process:
+        a colocated trainer writes into them (load_format "miles_cuda_ipc_direct")."""
+        self._single_rank("/ipc_weight_targets")
+        if self._ipc_targets is None:
+            async with self.scheduler.step_lock:
+                if self._ipc_targets is None:
+                    try:
+                        targets, keep = await self.scheduler.run_compute(W.ipc_targets,
+                                                                         self.runner.model.weights)
+                    except ValueError as e:
+                        raise BadRequest(str(e), "device") from None
+                    self._ipc_targets = (targets, msgspec.json.encode(targets), keep)
+        return web.Response(body=self._ipc_targets[1], content_type="application/json")
 
     async def init_weights_update_group(self, request) -> web.Response:
         self._single_rank("/init_weights_update_group (weights.transport = \"nccl\")")

@@ -12,7 +12,10 @@ Design decisions:
   one). `encode_tensor_payload` in miles/engines/client.py builds it. With `load_format:
   "miles_cuda_ipc"` it is instead the JSON description of one CUDA IPC handle of a flat bucket
   (miles/weights/cuda_ipc.py: the fields of torch's reduce_tensor, no pickle), for a trainer on
-  the same GPU.
+  the same GPU. With load_format "miles_cuda_ipc_direct" the trainer has written straight into
+  this engine's own weights, shared once through `GET /ipc_weight_targets` (`ipc_targets`), while
+  the engine was paused; the call only checks the names, flushes the prefix cache and sets the
+  version.
 - The distributed group is built exactly like SGLang's `init_custom_process_group` (a tcp://
   rendezvous, a `PrefixStore(group_name, store)`, `_new_process_group_helper`), so the trainer side
   can be the same helper on either engine: trainer rank 0 is the group's rank 0 and the store
@@ -48,6 +51,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import torch
 
 from miles.weights.buckets import wait_stream
@@ -108,7 +112,7 @@ def load_from_disk(weights: Weights, model_path: str) -> int:
                 for name in st.keys():
                     if not name.endswith(IGNORED_CHECKPOINT_SUFFIXES):
                         weights.copy_in(name, st.get_tensor(name))
-    _sync(weights)
+    sync_device(weights)
     return len(plan)
 
 
@@ -130,10 +134,11 @@ def apply_named_tensors(weights: Weights, named: list[tuple[str, torch.Tensor]])
     with torch.no_grad():
         for name, t in named:
             weights.copy_in(name, t)
-    _sync(weights)
+    sync_device(weights)
 
 
 CUDA_IPC_FORMAT = "miles_cuda_ipc"
+CUDA_IPC_DIRECT = "miles_cuda_ipc_direct"   # cuda_ipc.DIRECT_FORMAT
 
 
 def apply_cuda_ipc_bucket(weights: Weights, payload: str) -> None:
@@ -157,11 +162,52 @@ def apply_cuda_ipc_bucket(weights: Weights, payload: str) -> None:
             n = math.prod(shape)
             weights.copy_in(name, flat[offset:offset + n].view(shape))
             offset += n
-    _sync(weights)
+    sync_device(weights)
     del flat  # releases the producer's ref counter, so the trainer may free the bucket
 
 
-def _sync(weights: Weights) -> None:
+def ipc_targets(weights: Weights) -> tuple[object, list[torch.Tensor]]:
+    """The engine's weight storages and views shared through CUDA IPC (cuda_ipc.IpcTargets), for a
+    colocated trainer to write into; and the flat tensors the sharing needs kept alive. Names held
+    in FP8 or quantized, and non-contiguous views, are left out: they go by flat buckets."""
+    import uuid
+    from miles.weights import cuda_ipc
+    if weights.device.type != "cuda":
+        raise ValueError(f"CUDA IPC targets need an engine on CUDA; this engine runs on "
+                         f"{weights.device.type}")
+    index: dict[int, int] = {}
+    keep: list[torch.Tensor] = []
+    storages, views = [], []
+    named = {} if weights.quant is not None else {**weights.names, **weights.aliases}
+    for name, t in named.items():
+        if name in weights.fp8 or t.device.type != "cuda" or not t.is_contiguous():
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in index:
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))
+            index[st.data_ptr()] = len(storages)
+            storages.append(cuda_ipc.share(flat))
+            keep.append(flat)
+        views.append(cuda_ipc.IpcView(name, index[st.data_ptr()], t.storage_offset() * t.element_size(),
+                                      list(t.shape), str(t.dtype).removeprefix("torch.")))
+    return cuda_ipc.IpcTargets(uuid.uuid4().hex, storages, views), keep
+
+
+def check_direct_write(targets, payload: str) -> None:
+    """A miles_cuda_ipc_direct update: the trainer is writing into the views of `targets` while
+    the engine is paused. Checks that they are this engine instance's (its token)."""
+    from miles.weights import cuda_ipc
+    try:
+        w = msgspec.json.decode(payload, type=cuda_ipc.DirectWrite)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ValueError(f"serialized_named_tensors[0]: not a {cuda_ipc.DIRECT_FORMAT} write: {e}") from None
+    if targets is None or w.token != targets.token:
+        raise ValueError(f"serialized_named_tensors[0]: token {w.token!r} is not this engine's CUDA "
+                         "IPC targets token (the engine restarted or never shared its weights): the "
+                         "trainer must fetch /ipc_weight_targets again")
+
+
+def sync_device(weights: Weights) -> None:
     if weights.device.type == "cuda":
         torch.cuda.synchronize(weights.device)
 
