@@ -371,7 +371,11 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 "colocated_direct": cfg.colocated_direct if kind == "colocated" else None,
                 "stall_s_all": [m["weights/stall_s"] for m in parts],
                 "ordered_calls": getattr(transport, "_ordered", None), "rounds": args.rounds,
-                "checked_tensors": 0, **(timeline_summary(transport) if kind == "nccl" else {})})
+                "checked_tensors": 0, **(timeline_summary(transport) if kind == "nccl" else {}),
+                # colocated direct writes, the last round: ms since begin() at the gate (engines
+                # paused), the last copy issued, the copies done on the GPU, the engine's answer
+                **({"direct_phases_ms": {k: round(1e3 * v, 3) for k, v in transport.phases.items()}}
+                   if getattr(transport, "phases", None) else {})})
             # the publish figures now, before the check and the delta (minutes for a 7B on a
             # loaded host): a run cut short by its time limit still reports them
             print(json.dumps({**outs[-1], "part": "publish"}), flush=True)

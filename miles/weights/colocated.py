@@ -62,6 +62,7 @@ class ColocatedTransport(WeightTransport):
         self._token = ""                             # the engine instance those views belong to
         self._direct_call = None                     # this publish's miles_cuda_ipc_direct call
         self._direct_written = 0
+        self._t0, self.phases = 0.0, {}
 
     @property
     def sets_version(self) -> bool:  # type: ignore[override]
@@ -116,6 +117,7 @@ class ColocatedTransport(WeightTransport):
         self._version, self._error = version, None
         self._stats = TransferStats()
         self._direct_call, self._direct_written = None, 0
+        self._t0, self.phases = time.perf_counter(), {}  # seconds since begin (bench/weights.py)
         if self._token:  # overlapped with the pause: the publisher pauses while this runs
             self._map_targets()
         self._pipeline = SendPipeline(self._send, depth=self.cfg.queue_depth,
@@ -144,10 +146,10 @@ class ColocatedTransport(WeightTransport):
                         rest.append((name, t))
                 if direct:
                     self._start_direct()
-                    with torch.no_grad():
-                        for dst, t in direct:
-                            dst.copy_(t, non_blocking=True)  # stream-ordered before t is freed
+                    with torch.no_grad():  # one launch for the bucket; stream-ordered before t is freed
+                        torch._foreach_copy_([d for d, _ in direct], [t for _, t in direct])
                     self._direct_written += len(direct)
+                    self.phases["last_issue"] = time.perf_counter() - self._t0
             if rest:
                 self._coalescer.add(rest)
         except Exception as e:  # noqa: BLE001
@@ -160,6 +162,7 @@ class ColocatedTransport(WeightTransport):
             return
         if self.send_gate is not None:
             self.send_gate.wait(self.cfg.pause_timeout_s + 30.0)
+        self.phases["gate"] = time.perf_counter() - self._t0
         payload = msgspec.json.encode(cuda_ipc.DirectWrite(self._token)).decode()
         self._direct_call = self._calls.submit(
             0, "update_weights_from_tensor", [payload], load_format=cuda_ipc.DIRECT_FORMAT,
@@ -177,8 +180,10 @@ class ColocatedTransport(WeightTransport):
                 self._pipeline.drain()
                 if self._direct_call is not None:
                     wait_stream(torch.cuda.current_stream())  # the direct writes are in
+                    self.phases["written"] = time.perf_counter() - self._t0
                     self._calls.wait([self._direct_call], f"version {self._version}: the engine's "
                                      f"{cuda_ipc.DIRECT_FORMAT} call", self.cfg.bucket_timeout_s)
+                    self.phases["answered"] = time.perf_counter() - self._t0
                 self._stats.load_s = time.perf_counter() - t
                 self._stats.direct_tensors = self._direct_written
                 self._stats.buckets = self._coalescer.buckets
