@@ -15,6 +15,15 @@ Design decisions:
   varlen on CUDA when its start-up probe passed, else one causal SDPA per sample. Each sample of a
   packed row therefore attends only to itself, and rotary positions restart per sample because
   megatron applies rope by `cu_seqlens` in thd format.
+- Rotary embedding of packed (thd) rows is ours too (`_thd_rope`, patched into megatron's
+  attention module): megatron's unfused thd path reads the sequence lengths to the host
+  (`.tolist()`, `.item()`) and loops over the samples, twice per layer, so every layer waited for
+  the GPU (measured on an H200: the 1.5B step 1.14 s with 0.84 s of kernels). Ours gathers each
+  token's frequencies by its position inside its sample (positions computed on the device from
+  cu_seqlens, once per micro-batch) and applies megatron's own bshd rotation once: the same
+  arithmetic per token, no sync. Context parallelism and fused rope keep megatron's path.
+- SwiGLU is megatron's fused one (`bias_activation_fusion`, torch.compile'd) on CUDA; the CPU keeps
+  the eager ops.
 - RL settings are the defaults: dropout 0, no MoE aux loss (`moe_router_load_balancing_type =
   "none"`), fp32 router, `moe_router_pre_softmax = not norm_topk_prob` (top-k then softmax equals
   Qwen3-MoE's softmax, top-k, renormalize). Experts are the non-grouped `SequentialMLP`
@@ -127,7 +136,8 @@ def transformer_config_from_hf(hf_config, train_cfg: TrainConfig):
         # them, and the gradient norm and optimizer read those marks.
         use_cpu_initialization=cpu_only(), perform_initialization=True,
         # Fused kernels are CUDA/apex-only; the local spec's torch ops are exact and portable.
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        # SwiGLU's fusion is megatron's own (torch.compile), used on CUDA.
+        bias_activation_fusion=not cpu_only(), bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
     )
     if mt != "qwen2" and getattr(hf, "attention_bias", False):
@@ -283,6 +293,52 @@ def param_device(config) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+_thd_positions: dict[int, tuple] = {}  # id(cu_seqlens) -> (weakref to it, token count, positions)
+
+
+def _sample_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each token's position inside its sample, [total] int64, on cu_seqlens' device, no host
+    sync; cached per cu_seqlens tensor (every layer of a micro-batch passes the same one)."""
+    import weakref
+    hit = _thd_positions.get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == total:
+        return hit[2]
+    idx = torch.arange(total, device=cu_seqlens.device)
+    bounds = cu_seqlens.to(torch.int64)
+    sample = torch.searchsorted(bounds[1:], idx, right=True)
+    pos = idx - bounds[sample]
+    for key in [k for k, v in _thd_positions.items() if v[0]() is None]:
+        del _thd_positions[key]
+    _thd_positions[id(cu_seqlens)] = (weakref.ref(cu_seqlens), total, pos)
+    return pos
+
+
+def _thd_rope(original):
+    """megatron's `apply_rotary_pos_emb`, with packed (thd) rows rotated without host syncs."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
+        cp = cp_group.size() if cp_group is not None else parallel_state.get_context_parallel_world_size()
+        if cu_seqlens is None or config.apply_rope_fusion or cp != 1 or kw.get("mla_rotary_interleaved"):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kw)
+        total = t.shape[0]
+        # megatron's two cases: freqs for every packed position (offsets continue), or for the
+        # longest sample (positions restart per sample)
+        f = freqs[:total] if freqs.shape[0] == total else freqs[_sample_positions(cu_seqlens, total)]
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), f, rotary_interleaved=config.rotary_interleaved, mscale=mscale).squeeze(1)
+
+    apply_rotary_pos_emb.miles_thd_rope = True
+    return apply_rotary_pos_emb
+
+
+def _install_thd_rope() -> None:
+    from megatron.core.transformer import attention
+    if not getattr(attention.apply_rotary_pos_emb, "miles_thd_rope", False):
+        attention.apply_rotary_pos_emb = _thd_rope(attention.apply_rotary_pos_emb)
+
+
 def block_spec(config, train_cfg: TrainConfig):
     """The decoder block spec of this PP stage: local (or TE) modules; the local one gets our core
     attention and norms. megatron's builder handles dense/MoE layers (`moe_layer_freq`)."""
@@ -292,6 +348,7 @@ def block_spec(config, train_cfg: TrainConfig):
     if _te_wanted(train_cfg):
         return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                                 normalization="RMSNorm")
+    _install_thd_rope()
     spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                             normalization="RMSNorm")
     spec.layer_norm = _RMSNorm

@@ -146,8 +146,11 @@ class ColocatedTransport(WeightTransport):
                         rest.append((name, t))
                 if direct:
                     self._start_direct()
-                    with torch.no_grad():  # one launch for the bucket; stream-ordered before t is freed
-                        torch._foreach_copy_([d for d, _ in direct], [t for _, t in direct])
+                    # one copy_ per tensor (stream-ordered before t is freed): on an H200 a
+                    # _foreach_copy_ per bucket made the 7B publish 18 ms instead of 12.6
+                    with torch.no_grad():
+                        for dst, t in direct:
+                            dst.copy_(t, non_blocking=True)
                     self._direct_written += len(direct)
                     self.phases["last_issue"] = time.perf_counter() - self._t0
             if rest:

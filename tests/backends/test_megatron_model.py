@@ -162,3 +162,49 @@ def test_activation_recompute_gives_the_same_gradients(tmp_path):
     assert r["none_grads"] == r["selective_grads"] == r["full_grads"] > 0
     assert r["grad_scale"] > 1e-3
     assert r["selective_max_diff"] < 1e-6 and r["full_max_diff"] < 1e-6, r
+
+
+@pytest.mark.parametrize("freqs_len", ["longest", "total"])
+def test_packed_rope_equals_megatrons_and_never_syncs(freqs_len):
+    """Our thd rotary (no host sync) gives megatron's own thd result bit for bit, in both of
+    megatron's cases: freqs for the longest sample (positions restart per sample) and freqs for
+    every packed position; and it never reads cu_seqlens to the host (a tensor that refuses
+    .tolist() / .item() passes through it)."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from miles.backends.megatron_model import _thd_rope
+
+    class OneRank:
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    torch.manual_seed(0)
+    lens = [5, 17, 1, 9]
+    total, dim = sum(lens), 16
+    t = torch.randn(total, 3, dim, dtype=torch.float32)
+    n = total if freqs_len == "total" else max(lens)
+    freqs = torch.randn(n, 1, 1, dim)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False,
+                             multi_latent_attention=False)
+    want = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=OneRank())
+    ours = _thd_rope(rope_utils.apply_rotary_pos_emb)
+
+    class NoSync(torch.Tensor):
+        def tolist(self):
+            raise AssertionError("cu_seqlens read on the host")
+
+        def item(self):
+            raise AssertionError("cu_seqlens read on the host")
+
+    got = ours(t, freqs, config, cu_seqlens=cu.as_subclass(NoSync), cp_group=OneRank())
+    assert torch.equal(got.as_subclass(torch.Tensor), want)
+    sbhd = t[:min(lens)].unsqueeze(1)  # no cu_seqlens (sbhd rows): megatron's own path
+    plain = ours(sbhd, freqs[:len(sbhd)], config, cu_seqlens=None, cp_group=OneRank())
+    assert torch.equal(plain, rope_utils.apply_rotary_pos_emb(sbhd, freqs[:len(sbhd)], config,
+                                                              cp_group=OneRank()))
