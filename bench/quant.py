@@ -12,7 +12,7 @@ Two modes, one JSON line per format (and per run):
   .venv/bin/python bench/quant.py --engine [--device cuda|cpu] [--models qwen2-0.5b qwen2-1.5b]
       {"bench": "quant_engine", "machine", "tok_per_s": {model: {"bf16": {batch: tok/s},
        "fp8_gemm": {batch: tok/s}}}, "fp8_speedup": {model: {batch: x}}, "weights_bytes", ...}
-  .venv/bin/python bench/quant.py --train [-- bench/train.py's arguments]
+  .venv/bin/python bench/quant.py --train [bench/train.py's arguments]
       bench/train.py --backend fsdp --quant-train bf16,fp8,fp8-rowwise: one RL training step of
       the Qwen2-1.5B-shaped model, BF16 against torchao FP8 (tensorwise, rowwise), same batch,
       same process: {"bench": "train", "backends": {"fsdp": {...}, "fsdp+fp8": {...}, ...}}
@@ -294,7 +294,8 @@ def runs(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--model-path", default=None)
@@ -307,14 +308,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--formats", nargs="+", default=RUN_FORMATS, choices=RUN_FORMATS)
     p.add_argument("--out", default=str(REPO / "runs" / "quant_bench" / "results.jsonl"))
-    p.add_argument("--train", nargs=argparse.REMAINDER, default=None,
-                   help="FP8 against BF16 training (bench/train.py --quant-train); the rest of the "
-                        "line goes to bench/train.py")
-    args = p.parse_args()
-    if args.train is not None:
-        extra = [a for a in args.train if a != "--"]
+    p.add_argument("--train", action="store_true",
+                   help="FP8 against BF16 training (bench/train.py --quant-train); every argument "
+                        "this script does not know goes to bench/train.py")
+    args, rest = p.parse_known_args()
+    if args.train:
         sys.exit(subprocess.call([sys.executable, str(REPO / "bench" / "train.py"), "--backend", "fsdp",
-                                  "--quant-train", "bf16,fp8,fp8-rowwise", *extra]))
+                                  "--quant-train", "bf16,fp8,fp8-rowwise", *rest]))
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.engine:
         engine(args)
     elif args.runs:

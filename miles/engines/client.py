@@ -550,9 +550,10 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         return await self._post("/update_weights_from_tensor", body, timeout_s=self.weight_update_timeout_s)
 
-    async def ipc_weight_targets(self) -> dict:
-        """Miles' embedded engine: its weight storages by CUDA IPC (miles.weights.cuda_ipc.IpcTargets)."""
-        return await self._get("/ipc_weight_targets")
+    async def ipc_weight_targets(self, token: str = "") -> dict:
+        """Miles' embedded engine: its weight storages by CUDA IPC (miles.weights.cuda_ipc.IpcTargets);
+        with the `token` of the mapping the caller holds, only whether it is still this engine's."""
+        return await self._get("/ipc_weight_targets" + (f"?token={token}" if token else ""))
 
     async def update_weight_version(self, new_version: str | int, *, abort_all_requests: bool = False) -> dict:
         # SGLang defaults abort_all_requests to True; Miles never wants that implicitly.

@@ -95,7 +95,7 @@ class ColocatedTransport(WeightTransport):
         """Fetch the engine's IpcTargets; map them when they belong to an engine instance other
         than the one mapped (the first time, or after a restart)."""
         try:
-            raw = self._calls.call_all("ipc_weight_targets", what="ipc_weight_targets")[0]
+            raw = self._calls.call_all("ipc_weight_targets", self._token, what="ipc_weight_targets")[0]
         except EngineCallError as e:
             cause = e.__cause__
             if self._token or not (isinstance(cause, EngineRequestError) and cause.status == 404):
@@ -104,7 +104,9 @@ class ColocatedTransport(WeightTransport):
                         "engine); publishing by flat buckets", self.engine_url)
             return
         targets = msgspec.convert(raw, cuda_ipc.IpcTargets)
-        if targets.token != self._token:
+        if targets.unchanged and targets.token == self._token:
+            return
+        if targets.token != self._token or not self._targets:
             self._targets, self._token = {}, ""   # unmap a previous instance's storages first
             self._targets = cuda_ipc.open_targets(targets)
             self._token = targets.token

@@ -77,8 +77,9 @@ class IpcView(msgspec.Struct, array_like=True):
 class IpcTargets(msgspec.Struct, forbid_unknown_fields=True):
     """An engine's weight storages and views, for a trainer on the same GPU to write into."""
     token: str                  # this engine instance's; a write names it (DirectWrite)
-    storages: list[IpcTensor]   # each a 1-D uint8 tensor over one whole storage
-    views: list[IpcView]
+    storages: list[IpcTensor] = []   # each a 1-D uint8 tensor over one whole storage
+    views: list[IpcView] = []
+    unchanged: bool = False     # asked with this token: the caller's mapping is still valid
 
 
 class DirectWrite(msgspec.Struct, forbid_unknown_fields=True):

@@ -581,10 +581,14 @@ class EngineServer:
         return await self._update(W.apply_named_tensors, self.runner.model.weights, named,
                                   weight_version=b.weight_version, abort_all=b.abort_all_requests)
 
-    async def ipc_weight_targets(self, _request) -> web.Response:
+    async def ipc_weight_targets(self, request) -> web.Response:
         """This engine's weight storages by CUDA IPC (weights.ipc_targets), shared once per process:
-        a colocated trainer writes into them (load_format "miles_cuda_ipc_direct")."""
+        a colocated trainer writes into them (load_format "miles_cuda_ipc_direct"). `?token=T`
+        with this engine's token answers {"token", "unchanged": true} only (a publish's check)."""
         self._single_rank("/ipc_weight_targets")
+        asked = request.query.get("token", "")
+        if asked and self._ipc_targets is not None and asked == self._ipc_targets[0].token:
+            return _json({"token": asked, "unchanged": True})
         if self._ipc_targets is None:
             async with self.scheduler.step_lock:
                 if self._ipc_targets is None:
