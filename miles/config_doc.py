@@ -39,7 +39,8 @@ by hand.
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """field name -> the comment beside it, or the comment lines just above it."""
+    """field name -> the comment beside it (with the `#   ` lines that continue it below), or the
+    comment lines just above it."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -54,8 +55,14 @@ def _comments(cls: type) -> dict[str, str]:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         text = [by_line[node.end_lineno]] if node.end_lineno in by_line else []
+        below = node.end_lineno + 1
+        while text and below <= len(lines) and lines[below - 1].strip().startswith("#   "):
+            text.append(by_line.get(below, ""))
+            below += 1
         above, k = [], node.lineno - 1
         while k >= 1 and lines[k - 1].strip().startswith("#") and not lines[k - 1].strip().startswith("# ---"):
+            if lines[k - 1].strip().startswith("#   "):  # continues the field above
+                break
             above.insert(0, by_line.get(k, ""))
             k -= 1
         out[node.target.id] = " ".join(above + text).strip()
