@@ -66,7 +66,9 @@ class ColocatedTransport(WeightTransport):
 
     @property
     def sets_version(self) -> bool:  # type: ignore[override]
-        return bool(self._token)  # the direct call sets it (even when no tensor went direct)
+        # the direct call sets it on this rank's engine (even when no tensor went direct); with
+        # several trainer ranks the publisher still sets it on every engine
+        return bool(self._token) and self.world_size == 1
 
     def connect(self, engine_urls: list[str]) -> None:
         if not torch.cuda.is_available():
