@@ -54,21 +54,27 @@ class Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class RunConfig(Base):
+    # the run's name: its output directory and its sessions' and sandboxes' labels
     name: str = "miles"
     output_dir: str = "runs/{name}"   # {name} is replaced by run.name
+    # seeds the data order and every sample's sampling seed (per prompt, sample and attempt)
     seed: Count = 0
+    # the actors' log level (their own logs; the console shows warnings and up)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 class RestartPolicy(Base):
+    # restarts of a crashed actor before the job fails naming it
     max_restarts: Count = 3
     backoff_s: NonNegative = 0.5      # first restart delay; doubles per restart
+    # the restart delay's ceiling
     backoff_max_s: NonNegative = 10.0
 
 
 class ClusterConfig(Base):
     host: str = "127.0.0.1"           # address this node binds and advertises (launcher sets it)
     head_port: Port = 29650           # the registry on the head node
+    # how often every actor tells the registry it is alive
     heartbeat_interval_s: Seconds = 1.0
     liveness_timeout_s: Seconds = 30.0  # no heartbeat for this long: the actor is killed and restarted
     shutdown_grace_s: NonNegative = 10.0  # SIGTERM -> SIGKILL for children at shutdown
@@ -84,7 +90,9 @@ class ClusterConfig(Base):
 
 class ActorSpec(Base):
     """Where and how one actor role runs. `cls` is `module:Class` (a user subclass works)."""
+    # the actor class, `module:Class` (a user subclass works)
     cls: str = msgspec.field(name="class")
+    # the node rank the actor runs on
     node: Count = 0
     nodes: list[Count] | None = None  # several nodes: one process group spread over them
     procs_per_node: Positive = 1      # > 1 or several nodes: ranks launched like torchrun
@@ -94,6 +102,7 @@ class ActorSpec(Base):
     distributed: bool = False         # set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
     main: bool = False                # the job ends when this actor finishes
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
+    # extra environment variables for the actor's processes
     env: dict[str, str] = {}
     options: dict[str, Any] = {}      # free-form, read by the actor class
 

@@ -71,6 +71,7 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Knobs of advantages, policy/value loss, mismatch corrections and loss reduction."""
 
     # --- advantages ---
+    # grpo, gspo, dr_grpo, reinforce_plus_plus(_baseline), ppo (critic + GAE)
     advantage_estimator: AdvantageEstimator = "grpo"
     normalize_std: bool = True  # GRPO/GSPO: divide by the group std (dr_grpo always turns it off)
     normalize_advantages: bool = False  # whiten final advantages over the batch (REINFORCE++ always does)
@@ -79,21 +80,28 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kl_coef: float = 0.0  # reward shaping r_t -= kl_coef * kl_t (REINFORCE++(-baseline), PPO; not GRPO)
 
     # --- policy loss ---
+    # policy: the clipped policy-gradient loss; sft: token cross-entropy
     loss_type: LossType = "policy"
+    # PPO ratio clip: 1 - eps_clip (and 1 + eps_clip unless eps_clip_high)
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # None: same as eps_clip (symmetric)
     eps_clip_c: float | None = None  # dual clip lower bound for negative advantages; must be > 1
     kl_loss_coef: float = 0.0  # KL(current || reference) loss term
+    # the KL estimator of the KL loss term: k1, k2, k3, or low_var_kl (k3 clamped)
     kl_loss_type: KlType = "low_var_kl"
     use_unbiased_kl: bool = False  # multiply the KL term by the current/old ratio (DeepSeek-V3.2)
     entropy_coef: float = 0.0  # loss -= entropy_coef * entropy
 
     # --- train/rollout mismatch corrections (pick at most one) ---
     use_tis: bool = False  # truncated IS: weight = clamp(ratio, tis_clip_low, tis_clip)
+    # truncated IS upper clamp of the train/rollout ratio
     tis_clip: float = 2.0
+    # truncated IS lower clamp
     tis_clip_low: float = 0.0
     use_mis: bool = False  # masked IS (icepop): weight = ratio inside [mis_low, mis_high], else 0
+    # masked IS: tokens whose ratio is below this get weight 0
     mis_low: float = 0.5
+    # masked IS: tokens whose ratio is above this get weight 0
     mis_high: float = 2.0
 
     # --- reduction ---
@@ -103,9 +111,11 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_response_tokens: int = 0  # "constant"'s budget per response; 0: the trainer uses rollout.max_new_tokens
 
     # --- critic (PPO) ---
+    # PPO value clipping: the new value stays within this of the old one
     value_clip: float = 0.2
 
     # --- on-policy distillation (optional): advantage_t -= opd_kl_coef * (student_t - teacher_t) ---
+    # on-policy distillation: advantage_t -= opd_kl_coef * (student_t - teacher_t); 0: off
     opd_kl_coef: float = 0.0
     # pure distillation: ignore the reward, advantage_t = -opd_kl_coef * (student_t - teacher_t)
     opd_only: bool = False

@@ -77,10 +77,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`[train.lora]`: LoRA adapters on the policy (miles/backends/lora.py); only they train."""
 
+    # the adapters' rank r
     rank: int = 8
     alpha: float = 16.0                  # the update is scaled by alpha / rank
+    # module names that get adapters (peft's target_modules)
     target_modules: list[str] = msgspec.field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # dropout on the adapters' input
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -95,6 +98,7 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How the trainer ranks run: model, precision, optimizer, schedule, batching, checkpoints."""
 
+    # fsdp (PyTorch FSDP2) or megatron (megatron-core); nothing above the backend changes
     backend: BackendName = "fsdp"
     model_path: str = ""            # HF safetensors directory (config.json + *.safetensors)
     ref_model_path: str = ""        # frozen reference for the KL loss; "" = model_path
@@ -103,9 +107,13 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # --- PPO critic (algo.advantage_estimator = "ppo"; miles/backends/critic.py): its own AdamW and
     # schedule (the policy's betas, eps, weight decay and clipping) ---
     critic_model_path: str = ""     # the value model's backbone (HF directory); "" = model_path
+    # the critic's AdamW learning rate
     critic_lr: float = 1e-5
+    # the critic's linear warm-up steps
     critic_warmup_steps: int = 0
+    # the critic's schedule after warm-up
     critic_lr_decay_style: DecayStyle = "constant"
+    # critic optimizer steps to its min lr; 0 = no decay
     critic_lr_decay_steps: int = 0
     # --- on-policy distillation (algo.opd_kl_coef > 0; miles/backends/teacher.py) ---
     teacher_model_path: str = ""    # frozen teacher scoring every response token (same tokenizer)
@@ -120,18 +128,27 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reduce_dtype: DTypeName = "float32"   # gradient reduce-scatter dtype
 
     # --- optimizer (AdamW) ---
+    # the policy's peak AdamW learning rate
     lr: float = 1e-6
+    # where the decay schedule ends
     min_lr: float = 0.0
+    # AdamW weight decay (not on 1-D parameters)
     weight_decay: float = 0.0
+    # AdamW beta1
     adam_beta1: float = 0.9
+    # AdamW beta2
     adam_beta2: float = 0.98
+    # AdamW epsilon
     adam_eps: float = 1e-8
     grad_clip: float = 1.0                # max global grad norm; 0 = no clipping
     # Adam moments streamed per bucket through the device from host memory ("cpu") or files
     # under offload_dir ("nvme", node-local); miles/backends/optim_offload.py
     optimizer_offload: OptimizerOffload = "none"
+    # node-local directory of optimizer_offload = nvme's files
     offload_dir: str = ""
+    # linear warm-up optimizer steps from 0 to lr
     warmup_steps: int = 0
+    # schedule after warm-up: constant, linear or cosine down to min_lr
     lr_decay_style: DecayStyle = "constant"
     lr_decay_steps: int = 0               # optimizer steps from the start to min_lr; 0 = no decay
 
@@ -148,10 +165,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # --- model execution ---
     attention: AttentionName = "packed"    # packed: per-sample kernels; sdpa/eager: HF with a mask
+    # recompute activations in backward (less memory, ~1/3 more compute)
     gradient_checkpointing: bool = False
     router_replay: bool = False            # R3: replay the rollout's MoE routing (set from rollout.r3)
     compile: bool | None = None            # torch.compile norms, dense MLPs, rotary; None: on CUDA
     reshard_after_forward: bool | None = None  # None: only with several ranks (FSDP2's knob)
+    # the trainer's seed (initialization of new heads, dropout)
     seed: int = 1234
 
     # --- weights out ---

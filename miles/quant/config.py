@@ -21,9 +21,12 @@ TrainPrecision = Literal["bf16", "fp8", "int4_qat"]
 
 
 class QuantConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # the format engines hold: bf16, fp8 (128x128 blocks), mxfp8, mxfp4, nvfp4, int4
     rollout: RolloutFormat = "bf16"
+    # bf16; fp8: torchao float8 training (CUDA); int4_qat: fake-quant for an int4 rollout
     train: TrainPrecision = "bf16"
     keep_bf16: list[str] = []          # extra names / module prefixes / globs kept unquantized
+    # elements per int4 group (one scale, and a zero point if asymmetric)
     int4_group_size: Annotated[int, Meta(ge=8, multiple_of=8)] = 128
     int4_symmetric: bool = True        # false: asymmetric groups with a zero point
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # torchao float8 (train = "fp8")

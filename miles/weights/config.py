@@ -36,8 +36,10 @@ CHECKSUM_NAMES: tuple[str, ...] = ChecksumName.__args__  # type: ignore[attr-def
 class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The `[weights]` section of a recipe."""
 
+    # how weights reach the engines: nccl broadcast, colocated CUDA IPC, disk, disk_delta, p2p
     transport: TransportName = "nccl"
     bucket_bytes: int = 1 << 30          # tensors coalesced per engine call / broadcast
+    # in_place: in-flight requests pause and continue on the new weights; retract: they are re-prefilled
     pause_mode: PauseMode = "in_place"
     check_weights: bool = False          # compare every engine parameter's checksum after a publish
     checksum: ChecksumName = "auto"      # auto: device when the trainer's tensors are on a GPU
@@ -56,6 +58,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #     rank and every engine rank; the same address, port, backend and timeouts) ---
     master_address: str = "127.0.0.1"    # the trainer's address as the engines reach it
     master_port: int = 0                 # 0: pick a free port
+    # the torch.distributed group name the engines join
     group_name: str = "miles_weights"
     group_backend: GroupBackend = "auto"  # auto: nccl when the trainer has CUDA, else gloo
     group_timeout_s: float = 600.0       # torch-side timeout of each collective in the group
@@ -71,8 +74,10 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disk_dir: str = ""                   # where versions are written (shared with the engines)
     keep_versions: int = 2               # older version directories are deleted
     delta_codec: DeltaCodec = "zlib"     # zstd needs the `zstandard` package
+    # zlib level of disk_delta's payload
     delta_level: int = 1
     delta_chunk_bytes: int = 64 << 20    # compressed independently (parallel, bounded memory)
+    # threads that encode and decode disk_delta chunks
     delta_threads: int = 4
 
     def __post_init__(self) -> None:

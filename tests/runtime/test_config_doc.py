@@ -34,4 +34,8 @@ def test_every_key_of_every_section_is_in_the_reference():
     for prefix, key in keys:
         assert f"| `{key}` |" in text, f"{prefix}{key} missing"
     assert "## `[train.megatron]`" in text and "## `[actors.<name>.restart]`" in text
+    # every key says what it means (a comment beside it, or the comment lines above it)
+    unexplained = [row.split("|")[1].strip() for row in text.splitlines()
+                   if row.startswith("| `") and not row.split("|")[4].strip()]
+    assert not unexplained, f"keys with no meaning in docs/configuration.md: {unexplained}"
     assert "`rollout.temperature`: expected > 0" in text       # a cross-key rule, read from the check
