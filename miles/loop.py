@@ -72,6 +72,15 @@ ACTOR_RETRIES = 3    # re-sends of an idempotent call after the actor restarted
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL: `miles run` starts the job again from its newest checkpoint
 
 
+
+ACTOR_COUNTERS = ("calls", "tells", "handler_errors", "cancelled")
+
+
+def actor_counters(name: str, values: dict) -> dict[str, float]:
+    """An actor's own message counters (Actor.metrics) as `actor/<name>/<counter>` metrics, which
+    the node daemon's /metrics exports as miles_actor_<counter>_total{actor=...}."""
+    return {f"actor/{name}/{k}": float(values[k]) for k in ACTOR_COUNTERS if k in values}
+
 class TrainerDied(ActorDied):
     """A trainer rank died: its process group cannot take it back, so the job resumes."""
 
@@ -408,8 +417,10 @@ class LoopDriver(Actor):
             try:  # metrics are best effort: one actor that cannot answer hides no other's
                 reply = await ref.call(ask, timeout_s=10)
                 keep.update({k: v for k, v in reply.values.items() if "/" in k})
+                keep.update(actor_counters(ref.name, reply.values))
             except Exception as e:
                 print(f"[driver] {ref.name} metrics unavailable: {e}", flush=True)
+        keep.update(actor_counters(self.name, self.metrics()))
         if keep:
             self.log.log("actors", step, keep)
 

@@ -59,6 +59,9 @@ COUNTERS = {
     "buffer/trained": ("miles_buffer_groups_trained", "Groups trained"),
 }
 SLOT = re.compile(r"^buffer/slots_(\w+)$")
+ACTOR_COUNTER = re.compile(r"^actor/(.+)/(calls|tells|handler_errors|cancelled)$")  # miles.loop.actor_counters
+ACTOR_COUNTER_DOCS = {"calls": "Calls the actor handled", "tells": "Tells (one-way messages) the actor handled",
+                      "handler_errors": "Messages whose handler raised", "cancelled": "Handlers cancelled"}
 ENGINE = re.compile(r"^engine/(\d+)/requests$")
 
 
@@ -133,12 +136,18 @@ def collector(rows_fn: Callable[[], list[dict]], actors_fn: Callable[[], list[di
             slots = GaugeMetricFamily("miles_buffer_slots", "Buffer slots by state", labels=["state"])
             load = GaugeMetricFamily("miles_engine_requests", "Requests running or waiting on an engine",
                                      labels=["engine"])
+            counters = {k: CounterMetricFamily(f"miles_actor_{k}", doc, labels=["actor"])
+                        for k, doc in ACTOR_COUNTER_DOCS.items()}
             for key, value in merged.items():
-                if (m := SLOT.match(key)) and isinstance(value, (int, float)):
+                if not isinstance(value, (int, float)):
+                    continue
+                if m := SLOT.match(key):
                     slots.add_metric([m.group(1)], float(value))
-                elif (m := ENGINE.match(key)) and isinstance(value, (int, float)):
+                elif m := ENGINE.match(key):
                     load.add_metric([m.group(1)], float(value))
-            yield from (slots, load)
+                elif m := ACTOR_COUNTER.match(key):
+                    counters[m.group(2)].add_metric([m.group(1)], float(value))
+            yield from (slots, load, *counters.values())
             port = merged.get("engines/gateway_metrics_port")
             if port:
                 info = InfoMetricFamily("miles_smg_metrics", "Where the smg gateway serves its own metrics")

@@ -39,7 +39,8 @@ def write_run(run: Path, steps: int = 6) -> None:
                      "perf/publish_s": 0.05, "weights/stall_s": 0.04, "train/tokens_per_s": 1000.0 + s})
         rows.append({"kind": "actors", "step": s, "buffer/slots_queued": 3.0, "buffer/slots_out": 1.0,
                      "engine/0/requests": 7.0, "engine/1/requests": 2.0, "rollout/samples": 64.0 * s,
-                     "engines/gateway_metrics_port": 29999.0})
+                     "engines/gateway_metrics_port": 29999.0, "actor/rollout/calls": 10.0 * s,
+                     "actor/rollout/handler_errors": 1.0, "actor/driver/tells": 2.0 * s})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "logs" / "rollout.log").write_text("2026-12-01 10:00:00,000 INFO a: fine\n"
                                               "2026-12-01 10:00:01,000 WARNING a: engine slow\n")
@@ -67,9 +68,30 @@ async def test_the_scrape_has_the_run_and_actor_families(tmp_path, aiohttp_clien
     assert {s.labels["engine"]: s.value for s in fam["miles_engine_requests"].samples} == {"0": 7.0, "1": 2.0}
     assert {s.labels["state"] for s in fam["miles_buffer_slots"].samples} == {"queued", "out"}
     assert fam["miles_smg_metrics_info"].samples[0].labels["url"] == "http://127.0.0.1:29999/metrics"
+    total = lambda family: {s.labels["actor"]: s.value for s in fam[family].samples  # noqa: E731
+                            if s.name.endswith("_total")}
+    assert total("miles_actor_calls") == {"rollout": 60.0}         # the latest step's counters
+    assert total("miles_actor_handler_errors") == {"rollout": 1.0}
+    assert total("miles_actor_tells") == {"driver": 12.0}
     assert data["staleness_hist"] == [[0, 2], [1, 2], [2, 2]]
     assert data["step_time"][0] == [1, 0.2, 0.5, 0.05] and data["engine_load"] == [[0, 7.0], [1, 2.0]]
     assert data["errors"] == ["[rollout] 2026-12-01 10:00:01,000 WARNING a: engine slow"]
+
+
+def test_miles_logs_prints_an_actors_last_lines_and_names_the_actors_with_logs(tmp_path):
+    run = tmp_path / "run"
+    write_run(run)
+    (run / "logs" / "trainer_0.log").write_text("".join(f"line {i}\n" for i in range(30)))
+    out = subprocess.run([*MILES, "logs", str(run), "trainer/0", "-n", "3"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "line 27\nline 28\nline 29\n"
+    out = subprocess.run([*MILES, "logs", str(run), "rollout"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].endswith("WARNING a: engine slow")
+    out = subprocess.run([*MILES, "logs", str(run), "nosuch"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 1 and "actors with logs: rollout, trainer_0" in out.stderr, out.stderr
 
 
 def test_dashboard_data_of_an_empty_run_is_empty():
@@ -150,6 +172,9 @@ def test_a_live_run_is_scraped_shown_by_status_and_drawn_by_chromium(tmp_path):
         for name in ("miles_weights_stall_seconds", "miles_trainer_tokens_per_second", "miles_buffer_slots",
                      "miles_engine_requests", "miles_rollout_samples", "miles_smg_metrics_info", "miles_eval_reward"):
             assert fam[name].samples, name
+        calls = {s.labels["actor"]: s.value for s in fam["miles_actor_calls"].samples
+                 if s.name.endswith("_total")}  # the actors' own message counters
+        assert all(calls.get(a, 0) > 0 for a in ("buffer", "rollout", "engines")), calls
         status = subprocess.run([*MILES, "status", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert status.returncode == 0, status.stderr
         table = {line.split()[0]: line.split() for line in status.stdout.splitlines()[1:]}
