@@ -224,7 +224,8 @@ def test_miles_run_of_the_openenv_recipe(tmp_path, openenv_venv):
     assert env_logs and all("live environments at shutdown: 0" in p.read_text() for p in env_logs)
     closing = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
                if "episodes settled" in line or "episodes closed" in line]
-    assert all("open: 0" in line for line in closing if "sessions of this run open" in line), closing
+    listed = [line for line in closing if "sessions of this run open" in line]
+    assert listed and all("sessions of this run open: 0" in line for line in listed), closing
     assert not [cmd for pid, cmd in leftover_processes(*needles) if pid not in before]
 
 
