@@ -420,8 +420,8 @@ class LoopDriver(Actor):
                 keep.update(actor_counters(ref.name, reply.values))
             except Exception as e:
                 print(f"[driver] {ref.name} metrics unavailable: {e}", flush=True)
-        keep.update(actor_counters(self.name, self.metrics()))
-        if keep:
+        if keep:  # (a row only when some actor answered, as before)
+            keep.update(actor_counters(self.name, self.metrics()))
             self.log.log("actors", step, keep)
 
 
