@@ -557,7 +557,7 @@ class EngineServer:
         b = decode_body(await request.read(), P.UpdateWeightsFromTensorReq, "update_weights_from_tensor")
         if b.load_format not in (None, "safetensors", "direct", W.CUDA_IPC_FORMAT, W.CUDA_IPC_DIRECT):
             raise BadRequest(f"load_format: {b.load_format!r} is not supported by the embedded engine "
-                             f"(base64 safetensors payloads, or {W.CUDA_IPC_FORMAT!r})", "load_format")
+                             f"(base64 safetensors payloads, {W.CUDA_IPC_FORMAT!r} or {W.CUDA_IPC_DIRECT!r})", "load_format")
         if len(b.serialized_named_tensors) != 1:
             raise BadRequest(f"serialized_named_tensors: {len(b.serialized_named_tensors)} entries; "
                              "this engine has tp_size 1, send exactly one", "serialized_named_tensors")
