@@ -72,7 +72,6 @@ ACTOR_RETRIES = 3    # re-sends of an idempotent call after the actor restarted
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL: `miles run` starts the job again from its newest checkpoint
 
 
-
 ACTOR_COUNTERS = ("calls", "tells", "handler_errors", "cancelled")
 
 
@@ -80,6 +79,7 @@ def actor_counters(name: str, values: dict) -> dict[str, float]:
     """An actor's own message counters (Actor.metrics) as `actor/<name>/<counter>` metrics, which
     the node daemon's /metrics exports as miles_actor_<counter>_total{actor=...}."""
     return {f"actor/{name}/{k}": float(values[k]) for k in ACTOR_COUNTERS if k in values}
+
 
 class TrainerDied(ActorDied):
     """A trainer rank died: its process group cannot take it back, so the job resumes."""

@@ -14,8 +14,8 @@ Design decisions:
   (miles/weights/cuda_ipc.py: the fields of torch's reduce_tensor, no pickle), for a trainer on
   the same GPU. With load_format "miles_cuda_ipc_direct" the trainer has written straight into
   this engine's own weights, shared once through `GET /ipc_weight_targets` (`ipc_targets`), while
-  the engine was paused; the call only checks the names, flushes the prefix cache and sets the
-  version.
+  the engine was paused; the call only checks the engine instance's token, flushes the prefix
+  cache and sets the version.
 - The distributed group is built exactly like SGLang's `init_custom_process_group` (a tcp://
   rendezvous, a `PrefixStore(group_name, store)`, `_new_process_group_helper`), so the trainer side
   can be the same helper on either engine: trainer rank 0 is the group's rank 0 and the store
@@ -55,6 +55,7 @@ import msgspec
 import torch
 
 from miles.weights.buckets import wait_stream
+from miles.weights.cuda_ipc import DIRECT_FORMAT
 from miles.weights.process_group import broadcast_all
 from miles.weights.checks import CHECKSUMS
 from miles.engines.embedded_engine.model import (IGNORED_CHECKPOINT_SUFFIXES, Weights,
@@ -138,7 +139,7 @@ def apply_named_tensors(weights: Weights, named: list[tuple[str, torch.Tensor]])
 
 
 CUDA_IPC_FORMAT = "miles_cuda_ipc"
-CUDA_IPC_DIRECT = "miles_cuda_ipc_direct"   # cuda_ipc.DIRECT_FORMAT
+CUDA_IPC_DIRECT = DIRECT_FORMAT   # the trainer wrote into this engine's IpcTargets
 
 
 def apply_cuda_ipc_bucket(weights: Weights, payload: str) -> None:
