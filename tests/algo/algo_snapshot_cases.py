@@ -7,8 +7,10 @@ it), recomputes and compares with torch.equal.
 Bit-exactness is a property of one platform: the torch version and its CPU kernel set (AVX2, AVX512,
 ...) decide the rounding of exp/log and the order of a sum. Measured: torch 2.11 vs 2.13 on the same
 AVX512 CPU differ by 1 ulp in a few reduced losses; ATEN_CPU_CAPABILITY=default vs AVX512 differ in
-entropy and expm1. So each file records the platform it was written on (`platform()`), the test is
-exact there (the dev/CI machines), and elsewhere checks to float32 rounding and warns.
+entropy and expm1; two AVX512 hosts of different CPU models (and the same torch) differ by 1 ulp in
+the reduced objective losses. So each file records the platform it was written on (`platform()`:
+torch version and build, kernel set, CPU vendor/family/model), the test is exact there, and elsewhere
+checks to float32 rounding and warns.
 
 Regenerate after an intended numerical change, and say why in the commit:
     .venv/bin/python tests/algo/algo_snapshot_cases.py --update
@@ -210,8 +212,26 @@ GROUPS: dict[str, tuple[int, Callable[[Tensors], Tensors]]] = {
 
 
 def platform() -> str:
-    """What decides the float rounding of these cases: torch version and CPU kernel capability."""
-    return f"torch {torch.__version__}, cpu {torch.backends.cpu.get_cpu_capability()}"
+    """What decides the float rounding of these cases: torch version and build, CPU kernels and model."""
+    build = (torch.version.git_version or "")[:12]
+    return f"torch {torch.__version__} ({build}), cpu {torch.backends.cpu.get_cpu_capability()}, {cpu_model()}"
+
+
+def cpu_model() -> str:
+    """vendor/family/model from /proc/cpuinfo (Linux); the machine name elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform as host
+
+        return host.processor() or host.machine()
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return "/".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model"))
 
 
 def snapshot_path(group: str) -> Path:
