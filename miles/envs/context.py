@@ -27,7 +27,8 @@ Design decisions:
   still yields its tokens: `EpisodeContext.partial_sample` rebuilds the longest trajectory from the
   trace, with the loss mask on exactly the model's tokens that are still in it.
 - The sandbox is lazy (`LazySandbox`): no tool call, no sandbox. It is created from `[sandbox]`
-  with the task's `metadata["image"]` and `metadata["files"]`; an `exec` without a timeout gets
+  with the task's `metadata["image"]`, `metadata["sandbox"]` (its own spec fields, `sandbox_spec`)
+  and `metadata["files"]`; an `exec` without a timeout gets
   `agent.tool_timeout_s`; its calls are timed (tool time, create/destroy time), non-zero exits
   counted as tool errors. The episode runner destroys it
   after the verifier, whatever happened. Without `[sandbox]`, `ctx.sandbox()` raises a
@@ -43,7 +44,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from miles.sandboxes.base import SandboxError, SandboxSpec
+from miles.sandboxes.base import SandboxError, SandboxSpec, SandboxSpecError
 from miles.wire.messages import Sample
 
 
@@ -162,11 +163,35 @@ class LazySandbox:
             self._stats.sandbox_s += self._stats.destroy_s
 
 
+_TASK_SANDBOX_FIELDS = frozenset(f for f in SandboxSpec.__struct_fields__ if f != "labels")
+
+
 def sandbox_spec(cfg, metadata: dict[str, Any], labels: dict[str, str]) -> SandboxSpec:
-    """The spec of one episode's sandbox: `[sandbox]`, with the task's `metadata["image"]`."""
+    """The spec of one episode's sandbox: `[sandbox]`, then the task's own fields over it.
+
+    A task row may carry `metadata["image"]` (its image) and `metadata["sandbox"]` (any SandboxSpec
+    field but labels: a Harbor task's Dockerfile, workdir, env, resources and lifetime). A task's
+    image, rootfs or dockerfile replaces the recipe's image and rootfs; its resources win over the
+    recipe's defaults; `network` is the recipe's AND the task's (a recipe without network keeps
+    every task off it). The run's labels go on every spec."""
+    own = metadata.get("sandbox") or {}
+    if not isinstance(own, dict):
+        raise SandboxSpecError(f"metadata.sandbox={own!r} is invalid: expected a table of SandboxSpec fields")
+    unknown = sorted(set(own) - _TASK_SANDBOX_FIELDS)
+    if unknown:
+        raise SandboxSpecError(f"metadata.sandbox.{unknown[0]}={own[unknown[0]]!r} is invalid: not a "
+                               f"SandboxSpec field; expected one of {sorted(_TASK_SANDBOX_FIELDS)}")
     image = metadata.get("image") or cfg.image or None
-    return SandboxSpec(image=image, rootfs=None if image else (cfg.rootfs or None), cpu=cfg.cpu,
-                       memory_mb=cfg.memory_mb, network=cfg.network, ttl_s=cfg.ttl_s, labels=labels)
+    fields: dict[str, Any] = dict(image=image, rootfs=None if image else (cfg.rootfs or None), cpu=cfg.cpu,
+                                  memory_mb=cfg.memory_mb, network=cfg.network, ttl_s=cfg.ttl_s)
+    if any(own.get(k) is not None for k in ("image", "rootfs", "dockerfile")):
+        fields.update(image=None, rootfs=None)
+    fields.update(own)
+    fields["network"] = bool(cfg.network) and own.get("network", True) is not False
+    try:
+        return msgspec.convert({**fields, "labels": labels}, SandboxSpec)
+    except msgspec.ValidationError as e:   # a wrong type, or SandboxSpec's own check (names the field)
+        raise SandboxSpecError(f"a task's sandbox: {str(e).replace('`$.', '`metadata.sandbox.')}") from None
 
 
 def no_sandbox(*_args, **_kwargs):

@@ -46,6 +46,7 @@ import numpy as np
 
 from miles.envs.context import EpisodeContext, EpisodeLimitError, EpisodeStats, LazySandbox, sandbox_spec
 from miles.rl.rewards import call_off_loop, check_reward, load_function
+from miles.sandboxes.base import SandboxSpecError
 from miles.wire.messages import Sample
 
 WINDOW = 256
@@ -282,8 +283,14 @@ async def run_episode(env: EpisodeEnv, sample: Sample, sampling, *, generate: Ge
     stats = EpisodeStats()
     sandbox = None
     if env.pool is not None:
-        sandbox = LazySandbox(env.pool, sandbox_spec(recipe.sandbox, sample.metadata, {}),
-                              dict(sample.metadata.get("files") or {}), stats, recipe.agent.tool_timeout_s)
+        try:
+            spec = sandbox_spec(recipe.sandbox, sample.metadata, {})
+        except SandboxSpecError as e:   # the task's own sandbox fields: this sample fails, the run goes on
+            failed = msgspec.structs.replace(sample, status="failed", metadata={**sample.metadata, "error": str(e)})
+            env.metrics.add(stats, [failed], {})
+            return [failed]
+        sandbox = LazySandbox(env.pool, spec, dict(sample.metadata.get("files") or {}), stats,
+                              recipe.agent.tool_timeout_s)
     ctx = EpisodeContext(recipe=recipe, engine=env.engine, tokenizer=env.tokenizer, sampling=sampling,
                          routing_key=sample.group_id or sample.rollout_id, sessions=env.sessions,
                          sandbox=sandbox, stats=stats, rid=f"{sample.rollout_id}-{sampling.sampling_seed}",

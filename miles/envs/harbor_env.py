@@ -47,7 +47,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from miles.sandboxes.harbor import load_task
+from miles.sandboxes.harbor import load_task, task_sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = Path(__file__).resolve().parent / "servers" / "harbor_server.py"
@@ -235,9 +235,8 @@ def task_rows(task_dir: str | Path) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(p for p in Path(task_dir).iterdir() if (p / "task.toml").is_file()):
         t = load_task(str(path))
-        meta: dict[str, Any] = {"harbor_task": t.path, "harbor_name": t.name}
-        if t.docker_image:
-            meta["image"] = t.docker_image   # container backends start from the task's image
+        # the task's own sandbox: its image or environment/Dockerfile, network, limits, env, workdir
+        meta: dict[str, Any] = {"harbor_task": t.path, "harbor_name": t.name, "sandbox": task_sandbox(t)}
         rows.append({"prompt": t.instruction, "label": "", "metadata": meta})
     if not rows:
         raise ValueError(f"{task_dir}: no Harbor task directories (with task.toml) found")

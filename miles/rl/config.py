@@ -124,8 +124,10 @@ class AgentConfig(Section):
 
 class SandboxConfig(Section):
     """`[sandbox]`: one fresh sandbox per episode, created before its first tool call and destroyed
-    after the verifier in every outcome. A task's `metadata["image"]` overrides `image`, and its
-    `metadata["files"]` ({path: text}) are written into the sandbox when it is created."""
+    after the verifier in every outcome. A task's `metadata["image"]` overrides `image`, its
+    `metadata["sandbox"]` (SandboxSpec fields: a Harbor task's Dockerfile, limits, network) goes over
+    these keys for its episode (network only if both allow it), and its `metadata["files"]`
+    ({path: text}) are written into the sandbox when it is created."""
     backend: str = ""                 # "" (none) | subprocess | bwrap | docker | e2b | daytona | modal | agentenv
     image: str = ""                   # default image (container and cloud backends)
     rootfs: str = ""                  # or a host directory as the root tree (subprocess, bwrap)

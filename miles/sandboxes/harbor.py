@@ -150,25 +150,33 @@ def _size_mb(text: str, where: str) -> int:
     return int(float(text[:-1]) * units[text[-1]])
 
 
+def task_sandbox(task: HarborTask, *, prefer_image: bool = True) -> dict[str, Any]:
+    """The SandboxSpec fields `task` itself sets (for a row's `metadata["sandbox"]`): its image or
+    environment/Dockerfile, network, lifetime budget, workdir, env and the resources it asks for.
+    Container backends use `docker_image` when the task names one (and `prefer_image`), else every
+    backend builds environment/Dockerfile (the host ones replay it into a cached rootfs)."""
+    use_image = task.docker_image is not None and (prefer_image or task.dockerfile is None)
+    fields: dict[str, Any] = dict(
+        network=task.network,
+        ttl_s=(task.agent_timeout_s or 3600.0) + task.verifier_timeout_s + 300.0,
+        env=dict(task.env))
+    fields["image" if use_image else "dockerfile"] = task.docker_image if use_image else task.dockerfile
+    for name, value in (("workdir", task.workdir), ("cpu", task.cpus), ("memory_mb", task.memory_mb),
+                        ("disk_mb", task.storage_mb)):
+        if value is not None:
+            fields[name] = float(value) if name == "cpu" else value
+    return fields
+
+
 def task_spec(task: HarborTask, *, prefer_image: bool = True, network: bool | None = None,
               labels: dict[str, str] | None = None, ttl_s: float | None = None) -> SandboxSpec:
-    """The SandboxSpec for one episode of `task`. Container backends use `docker_image` when the
-    task names one (and `prefer_image`), else everyone builds environment/Dockerfile."""
-    use_image = task.docker_image is not None and (prefer_image or task.dockerfile is None)
-    budget = (task.agent_timeout_s or 3600.0) + task.verifier_timeout_s + 300.0
-    fields: dict[str, Any] = dict(
-        image=task.docker_image if use_image else None,
-        dockerfile=None if use_image else task.dockerfile,
-        network=task.network if network is None else network,
-        ttl_s=ttl_s or budget, labels={"miles.task": _label(task.name), **(labels or {})},
-        workdir=task.workdir, env=dict(task.env))
-    if task.cpus is not None:
-        fields["cpu"] = float(task.cpus)
-    if task.memory_mb is not None:
-        fields["memory_mb"] = task.memory_mb
-    if task.storage_mb is not None:
-        fields["disk_mb"] = task.storage_mb
-    return SandboxSpec(**fields)
+    """The SandboxSpec for one episode of `task` (`task_sandbox`, with these overrides)."""
+    fields = task_sandbox(task, prefer_image=prefer_image)
+    if network is not None:
+        fields["network"] = network
+    if ttl_s:
+        fields["ttl_s"] = ttl_s
+    return SandboxSpec(**fields, labels={"miles.task": _label(task.name), **(labels or {})})
 
 
 def _label(name: str) -> str:

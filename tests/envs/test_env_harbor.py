@@ -246,6 +246,9 @@ def test_harbor_recipe_in_a_real_miles_run(harbor_python, tmp_path):
     closing = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
                if "episodes closed:" in line]
     assert closing and "live at close 0" in closing[0] and "swept 0" in closing[0], closing
+    settled = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
+               if "sessions of this run open" in line]
+    assert settled and all("sessions of this run open: 0" in line for line in settled), settled
     assert {p.pid for p in harbor_servers()} - before == set()
     actors = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     actors = [r for r in actors if r["kind"] == "actors"]
