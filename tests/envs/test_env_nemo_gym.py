@@ -126,32 +126,49 @@ def gym_servers() -> list[psutil.Process]:
 
 
 def check_tokens(sample, tokenizer) -> None:
-    """The prompt is the template's rendering of the row's input (instructions, tools); the model's
-    turns are exactly the loss-masked tokens, each sitting after the template's text of what came before."""
+    """Every turn: the non-model tokens are the template's rendering of the episode's Responses items
+    (the row's input, then what NeMo Gym got back: tool calls, tool outputs, messages) and the model's
+    turns are exactly the loss-masked tokens, each the reply NeMo Gym recorded."""
+    from miles.tito.api_responses import parse_input, parse_tools
     from miles.tito.families import get_family
-    from miles.tito.messages import parse_openai_tools
+    from miles.tito.messages import ChatMessage
     from miles.tito.template import render_template
     qwen3 = get_family("qwen3")
-    inp = sample.metadata["agent"]["input"]
-    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in inp]
-    specs = sample.metadata["nemo_gym"]["responses_create_params"]["tools"]
-    tools = parse_openai_tools([{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
-                                for t in specs])
-    prompt = render_template(qwen3.chat_template, messages, tools, True)
+    agent = sample.metadata["agent"]
+    msgs, _ = parse_input([*agent["input"], *agent["output"]], None)
+    tools = parse_tools(sample.metadata["nemo_gym"]["responses_create_params"]["tools"])
     prompt_len = len(sample.tokens) - sample.response_length
-    assert sample.tokens[:prompt_len].tolist() == tokenizer.encode(prompt)
+    mask = np.concatenate([np.zeros(prompt_len, bool), sample.loss_mask.astype(bool)])
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    turns = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+    replies, marks = [], []
+    for i, m in enumerate(msgs):
+        if m.role == "assistant":
+            replies.append(m)
+            marks.append(f"\x00turn{len(marks)}\x00")
+            msgs[i] = ChatMessage(role="assistant", content=marks[-1])
+    assert turns and len(turns) <= len(marks), (len(turns), len(marks))
+    # a sample ends at its last model turn: what came after it is not in its tokens
+    last = [i for i, m in enumerate(msgs) if m.role == "assistant"][len(turns) - 1]
+    marks, msgs = marks[:len(turns)], msgs[:last + 1]
+    text = render_template(qwen3.chat_template, [m.to_template_dict() for m in msgs], tools, False)
+    tokens, pos = sample.tokens.tolist(), 0
+    for k, (mark, (a, b)) in enumerate(zip(marks, turns)):
+        piece, text = text.split(mark)
+        if k and tokenizer.id_to_token(tokens[pos - 1]) == qwen3.end_of_turn:
+            piece = piece[len(qwen3.end_of_turn):]   # the model wrote the turn's end itself
+        assert tokens[pos:a] == tokenizer.encode(piece), (k, tokenizer.decode(tokens[pos:a]), piece)
+        ids = tokens[a:b]
+        if tokenizer.id_to_token(ids[-1]) in qwen3.stop_tokens:
+            ids = ids[:-1]
+        reply = qwen3.parse_reply(tokenizer.decode(ids))
+        assert reply.content == replies[k].content, (k, reply.content, replies[k].content)
+        assert [(c.name, c.arguments) for c in reply.tool_calls] == \
+            [(c.name, c.arguments) for c in replies[k].tool_calls], (k, reply.tool_calls, replies[k].tool_calls)
+        pos = b
+    assert pos == len(tokens)
     model = sample.loss_mask.astype(bool)
     assert model[0] and (sample.rollout_logprobs[~model] == 0).all() and (sample.rollout_logprobs[model] < 0).any()
-    # the first model turn is what NeMo Gym got back as the response's first output item
-    first = sample.tokens[prompt_len:][:int(np.argmin(model)) or len(model)].tolist()
-    if tokenizer.id_to_token(first[-1]) in qwen3.stop_tokens:
-        first = first[:-1]
-    reply = qwen3.parse_reply(tokenizer.decode(first))
-    item = next(i for i in sample.metadata["agent"]["output"] if i["type"] != "reasoning")   # <think> aside
-    if item["type"] == "message":
-        assert reply.content == "".join(p["text"] for p in item["content"]), (reply.content, item)
-    else:
-        assert item["type"] == "function_call" and [c.name for c in reply.tool_calls][:1] == [item["name"]]
 
 
 BROKEN_ROWS = """
@@ -203,4 +220,7 @@ def test_nemo_gym_recipe_in_a_real_miles_run(gym_python, tmp_path):
     actors = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     actors = [r for r in actors if r["kind"] == "actors"]
     assert actors[-1]["episode/failed"] >= 4 and actors[-1]["buffer/retried"] >= 1, actors[-1]
+    settled = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
+               if "sessions of this run open" in line]
+    assert settled and all("sessions of this run open: 0" in line for line in settled), settled
     assert {p.pid for p in gym_servers()} - before == set()
