@@ -1,12 +1,12 @@
 """The agent quickstart, shortened, in a real `miles run`: RL raises the tool agent's sampled
-reward without losing the held-out one, every trained sample is what the agent's conversation
+and held-out rewards, every trained sample is what the agent's conversation
 renders to, and nothing is left open.
 
-Measured on the 2-core CPU (SFT 190 steps, then 60 RL steps): the sampled reward went 0.76 -> 0.84
-(mean of the first and last 10 steps) and held-out 0.94 -> 0.98; with lr 1e-3, 0.68 -> 0.76 and
-0.94 -> 0.88. With 150 SFT steps (the recipe before) RL started at a sampled reward of ~0.01:
-runs learned to 0.2-0.7 held-out, or starved (buffer.filter dropped every group) until
-loop.timeout_s, as CI's did.
+Measured on the 2-core CPU (SFT 170 steps, as the recipe ships, then RL): held-out 0.75 -> 0.97 and
+0.98 at step 60 in two runs, sampled reward 0.32 (step 10) -> 0.67 (step 60). With 190 SFT steps
+the warm-start alone gave 0.94-0.97 held-out and RL had little to show; with 150 (the recipe before)
+RL started at a sampled reward of ~0.01: runs learned to 0.2-0.7 held-out, or starved
+(buffer.filter dropped every group) until loop.timeout_s, as CI's did.
 """
 
 from __future__ import annotations
@@ -153,9 +153,9 @@ def test_agent_quickstart_learns_and_its_samples_are_exact(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval/reward"] for r in rows if r["kind"] == "eval"}
     assert sorted(evals) == [0, 20, 40, 60], evals
-    assert evals[60] >= evals[0] - 0.1, evals                   # measured: 0.94 -> 0.98
+    assert evals[60] >= evals[0] + 0.05, evals                  # measured: 0.75 -> 0.97, 0.98
     sampled = [r["rollout/reward_recent"] for r in rows if r["kind"] == "actors" and "rollout/reward_recent" in r]
-    assert len(sampled) >= 40 and np.mean(sampled[-10:]) >= np.mean(sampled[:10]) + 0.03, sampled  # +0.08
+    assert len(sampled) >= 40 and np.mean(sampled[-10:]) >= np.mean(sampled[:10]) + 0.1, sampled  # 0.32 -> 0.67
     train = [r for r in rows if r["kind"] == "train"]
     # The trainer's log-probs of the sampled tokens against the engine's: equal where the batch was
     # sampled by the weights it trains (staleness 0), a policy step apart where it lagged.
