@@ -5,7 +5,8 @@
 #   bench/gpu_suite.sh swe & bench/gpu_suite.sh terminal & bench/gpu_suite.sh tests; wait
 # Extra arguments per part: TESTS_ARGS (pytest selection), ENGINE_ARGS, TRAIN_ARGS, WEIGHTS_ARGS,
 # ASYNC_ARGS, R3_ARGS, OFFLOAD_ARGS, QUANT_ARGS, PLAN_ARGS; RECIPE_STEPS for swe/terminal/grpo (the
-# recipes/<part>_h200.toml runs); T_<PART> overrides a part's time limit in seconds.
+# recipes/<part>_h200.toml runs) and RECIPE_ARGS_<PART> (more `--set k=v` for that recipe run, e.g.
+# RECIPE_ARGS_SWE="--set sft.steps=400"); T_<PART> overrides a part's time limit in seconds.
 # `bench/gpu_suite.sh pack` tars everything under $OUT but summary.txt into $OUT/all.tgz (the device
 # tool brings back at most 8 files).
 set -uo pipefail
@@ -34,12 +35,12 @@ for part in "$@"; do
     plan)     timeout $(lim 400) python3 bench/plan_calibrate.py --device cuda ${PLAN_ARGS:-} > "$OUT/plan.log" 2>&1 ;;
     async_rl) timeout $(lim 540) python3 bench/async_rl.py --device cuda --engine-device cuda:1 --steps ${ASYNC_STEPS:-10} --timeout-s 200 --log-dir "$OUT/async_logs" ${ASYNC_ARGS:---model small --max-staleness 2,3 --set train.compile=false} > "$OUT/async_rl.log" 2>&1 ;;
     swe|terminal|grpo)
-      run="$OUT/runs/$part"
+      run="$OUT/runs/$part"; extra="RECIPE_ARGS_${part^^}"
       timeout $(lim 540) python3 -m miles.cli run "recipes/${part}_h200.toml" --set "run.output_dir=\"$run\"" \
         --set logging.progress=false --set "cluster.head_port=$port" --set "loop.num_steps=${RECIPE_STEPS:-20}" \
-        > "$OUT/$part.log" 2>&1
+        ${!extra:-} > "$OUT/$part.log" 2>&1
       port=$((port + 50)) ;;
-    pack)     cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt --exclude=gpus.txt . ; exit 0 ;;
+    pack)     cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt --exclude=gpus.txt --exclude=checkpoints --exclude="*.safetensors" . ; exit 0 ;;
     *)        echo "unknown part $part" > "$OUT/$part.log"; false ;;
   esac
   rc=$?
