@@ -303,15 +303,19 @@ class NodeDaemon(Actor):
         port = self.recipe.logging.metrics_port
         if port < 0:
             return None
+        derived = port == 0
         port = port or self.recipe.cluster.head_port + 1 + self.node.node_rank
         from miles.observe import make_app, serve
         app = make_app(Path(self.recipe.output_dir), actors_fn=self.actor_table,
                        node_rank=self.node.node_rank, dashboard=self.node.node_rank == 0)
         try:
-            runner = await serve(app, self.node.host, port)
+            runner, bound = await serve(app, self.node.host, port, any_port_if_taken=derived)
         except OSError as e:  # the run goes on without it: a scrape target is not worth a job
             self._log(f"metrics endpoint not served: port {port} (logging.metrics_port): {e}")
             return None
+        if bound != port:
+            self._log(f"metrics port {port} (cluster.head_port + 1 + node rank) is taken: serving on {bound}")
+            port = bound
         (Path(self.recipe.output_dir) / f"metrics_url.node{self.node.node_rank}").write_text(
             f"http://{self.node.host}:{port}/\n")
         return runner

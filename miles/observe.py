@@ -7,7 +7,8 @@ and on the head the dashboard (`/`) with its data (`/api/run`, `/api/actors`).
 
 Design decisions:
 - One small aiohttp app on the daemon's own event loop; the port is `logging.metrics_port`
-  (0: `cluster.head_port + 1 + node rank`, so nodes sharing a host do not collide; -1: off).
+  (0: `cluster.head_port + 1 + node rank`, so nodes sharing a host do not collide, or a free port
+  when that one is taken; -1: off). The URL is written to `<run>/metrics_url.node<rank>`.
 - Metrics come from what the daemon already has, read when scraped: its children (up,
   incarnation, restarts), the registry's heartbeats on the head (age, event-loop lag), and the
   run's `metrics.jsonl` (the latest train / eval / actors rows: buffer state, engine load,
@@ -223,8 +224,17 @@ def make_app(run_dir: Path, *, actors_fn: Callable[[], list[dict]] = lambda: [],
     return app
 
 
-async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
+async def serve(app: web.Application, host: str, port: int, *,
+                any_port_if_taken: bool = False) -> tuple[web.AppRunner, int]:
+    """(The running app, the port it listens on). `any_port_if_taken`: when `port` is in use, a
+    free port the system picks (for a derived default port; an asked-for one fails instead)."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError:
+        if not any_port_if_taken:
+            await runner.cleanup()
+            raise
+        await web.TCPSite(runner, host, 0).start()
+    return runner, int(runner.addresses[-1][1])

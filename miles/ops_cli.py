@@ -52,7 +52,7 @@ def dashboard(argv: list[str]) -> int:
 
     async def main() -> None:
         app = make_app(run, actors_fn=lambda: _logged_actors(run))
-        runner = await serve(app, args.host, args.port)
+        runner, _ = await serve(app, args.host, args.port)
         print(f"dashboard of {run} at http://{args.host}:{args.port}/ (Ctrl-C stops it)", flush=True)
         if url := live_url(run):
             print(f"the job's head serves it live at {url}", flush=True)

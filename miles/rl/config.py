@@ -255,7 +255,8 @@ class LoggingConfig(Section):
     progress: bool = True             # a progress bar on the head's console (a TTY only)
     console_every: Positive = 10      # a one-line summary on the console every k steps
     # Prometheus /metrics on every node daemon, the dashboard on the head: 0 = cluster.head_port
-    # + 1 + node rank, -1 = off (the URL is written to <run>/metrics_url.node<rank>)
+    # + 1 + node rank (a free port if that one is taken), -1 = off (the URL is written to
+    # <run>/metrics_url.node<rank>)
     metrics_port: Annotated[int, Meta(ge=-1, le=65535)] = 0
     # draw the reward curves to <output_dir>/rewards.png at the end
     plot: bool = True

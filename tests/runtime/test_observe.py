@@ -206,3 +206,33 @@ def test_a_live_run_is_scraped_shown_by_status_and_drawn_by_chromium(tmp_path):
     finally:
         os.killpg(dash.pid, 9)
         dash.wait()
+
+
+def test_a_taken_default_port_falls_back_to_a_free_one_and_an_asked_for_one_fails():
+    """The derived default metrics port (head_port + 1 + rank) may be held by another process: the
+    node then serves on a port the system picks (its URL file names it); a port the user asked for
+    that is taken is an error, as before."""
+    import asyncio
+
+    from miles.observe import serve
+
+    async def main():
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        try:
+            with pytest.raises(OSError):
+                await serve(make_app(Path(".")), "127.0.0.1", taken)
+            runner, port = await serve(make_app(Path(".")), "127.0.0.1", taken, any_port_if_taken=True)
+            try:
+                assert port != taken and port > 0
+                body = await asyncio.to_thread(
+                    lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
+                assert b"# TYPE" in body or b"# HELP" in body
+            finally:
+                await runner.cleanup()
+        finally:
+            holder.close()
+
+    asyncio.run(main())
