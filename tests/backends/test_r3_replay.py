@@ -261,3 +261,26 @@ def test_a_micro_batchs_indices_cross_to_the_device_once():
             assert replay.layer_indices(layer, meta).device == meta
             assert replay.indices is moved                                   # not copied again
     assert replay.indices is None
+
+
+def test_the_old_logprob_pass_replays_the_same_routing(moe_path, backends):
+    """`old_logprobs = "recompute"` with R3: the no-grad old-policy pass routes by the recorded
+    experts too, so at lr 0 the PPO ratio is exactly 1 even though the record disagrees with the
+    model's own routing on half the rows. The same pass without replay leaves a gap (ppo_kl != 0):
+    the metric sees a pass that routes natively."""
+    import msgspec
+    cfg = TrainConfig(model_path=str(moe_path), param_dtype="float32", lr=0.0, router_replay=True,
+                      old_logprobs="recompute", attention="sdpa")
+    backend = backends(cfg, LossConfig())
+    samples = _batch(moe_path, backend.vocab_size)
+    flipped = [msgspec.structs.replace(s, routed_experts=r)
+               for s, r in zip(samples, _native_routing(moe_path, samples, flip_every=2))]
+    m = backend.train(flipped)
+    assert m["routing_agreement"] == 1.0 and m["routing_native_agreement"] < 0.6
+    assert m["ppo_kl"] == 0.0 and m["pg_clipfrac"] == 0.0
+
+    no_grad = backend._no_grad_logprobs
+    backend._no_grad_logprobs = lambda policy, flat, routing, replay, replaying: no_grad(
+        policy, flat, routing, replay, False)      # the old pass routes natively, training replays
+    m = backend.train(flipped)
+    assert abs(m["ppo_kl"]) > 1e-4, m
