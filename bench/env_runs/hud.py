@@ -1,6 +1,6 @@
 """HUD rollouts through the real stack: the tiny qwen3 on an embedded engine, the session server
-(with a token, as in the fleet), HUD's LocalRuntime serving the digits env template and HUD's
-OpenAIChatAgent, in this process.
+(with a token, as in the fleet), HUD's LocalRuntime serving the digits env template and Miles'
+agent driving HUD's run, in this process.
 
     python bench/envs.py --only hud --episodes 8
 

@@ -8,7 +8,7 @@ adapters for the environment ecosystems (each a `rollout.agent` plug-in; docs/en
     tool_agent.py     the built-in ReAct-style tool agent
     verifiers_env.py  Verifiers environments, in-process or served by Verifiers' own env server
     openenv_env.py    OpenEnv environment servers driven over their WebSocket (own venv)
-    hud_env.py        HUD env templates on LocalRuntime with HUD's agent on the session
+    hud_env.py        HUD env templates on LocalRuntime, Miles' agent (or HUD's) on the session
     harbor_env.py     Harbor tasks as Harbor trials (trial server in its own Python 3.12 venv)
     nemo_gym_env.py   NeMo Gym resources servers and agent /run (own Python 3.12 venv)
     servers/          the processes those venvs run (no torch, no Miles imports beyond the stdlib)

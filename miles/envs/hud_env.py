@@ -1,6 +1,6 @@
 """HUD environments as a `rollout.agent`: each episode is one HUD rollout (`Task.run`) of an env
-template on a `LocalRuntime`, driven by HUD's own OpenAI-compatible agent pointed at the episode's
-TITO session; the reward is HUD's grade (the template's second `yield`).
+template on a `LocalRuntime`, driven by Miles' own agent (or HUD's, on request) against the
+episode's TITO session; the reward is HUD's grade (the template's second `yield`).
 
     [data]
     task = "miles.envs.hud_env:example_tasks"   # or rows naming metadata.hud
@@ -13,19 +13,27 @@ rows whose `metadata.hud` names it:
     {"env": "envs/my_env.py",        # what LocalRuntime loads (relative to the repo, or absolute)
      "template": "fix_bug",          # the @env.template id
      "args": {"difficulty": 3},      # the template's arguments: this row's Task
-     "system": "You are ..."}        # optional system prompt for the agent
+     "system": "You are ...",        # optional system prompt for the agent
+     "agent": "miles"}               # optional: "miles" (the default) or "hud"
 
 Design decisions:
 - In-process: HUD runs on Python 3.11 and installs into Miles' venv (`hud` 0.6.18 there: later
   0.6.x releases need google-genai versions that cap tenacity < 9.2). The template's environment
   is served by `LocalRuntime(path)`, which loads the source afresh for each episode, so episodes
   run concurrently (a live `Environment` object would serialize them) and none shares state.
-- The agent is HUD's: `OpenAIChatAgent` with `OpenAIChatConfig(model_client=AsyncOpenAI(base_url=
-  <session>/v1))`, `max_steps = agent.max_turns`, the episode's sampling as `completion_kwargs`.
-  The episodes' OpenAI clients share one httpx client (per event loop): one each costs an SSL
-  context, 0.2 s an episode.
-  Every model call goes through the session server, so the samples are token-exact; the
-  conversation comes back in `metadata["agent"]["messages"]`.
+- The agent is Miles' by default (`MilesAgent`, a HUD `Agent`): the ReAct loop every Miles harness
+  shares (`tool_agent.react`, aiohttp to `<session>/v1/chat/completions`), with the tools the env
+  publishes as MCP capabilities (`Capability.mcp`, opened through the run's client, listed and
+  offered in OpenAI form, called with `call_tool`). HUD starts the task, hands the agent its
+  prompt, and grades the answer the agent leaves in `run.trace.content`; the agent records its
+  turns and tool calls on the trace as HUD's own agents do. Limits and sampling are the recipe's
+  (`[agent]`, `task["sampling"]`), as for every other Miles agent.
+- `agent = "hud"` runs HUD's `OpenAIChatAgent` instead, with `OpenAIChatConfig(model_client=
+  AsyncOpenAI(base_url=<session>/v1))`, `max_steps = agent.max_turns`, the episode's sampling as
+  `completion_kwargs`: for comparing against HUD's harness. Its OpenAI clients share one httpx
+  client per event loop (one each costs an SSL context, 0.2 s an episode).
+- Every model call goes through the session server either way, so the samples are token-exact;
+  the conversation comes back in `metadata["agent"]["messages"]`.
 - No network: before HUD is imported, and again on its settings object, telemetry, CLI analytics
   and file tracking are switched off and the API key is cleared, so the job/trace reports and the
   span exporter (all gated on telemetry and a key) never run; HUD's local span files go to a
@@ -33,13 +41,17 @@ Design decisions:
 - A rollout HUD marks as errored (the template raised, the agent's model call failed, grading
   failed, the rollout timed out) raises here with HUD's error steps: the agent layer marks the
   samples `failed` with it in `metadata["agent_error"]`, keeps their tokens, and the run goes on.
-- An episode that used all of `agent.max_turns` (`stop_reason == "max_steps"`) or was cut by its
-  token limit (`"length"`) is `truncated`; HUD's grade is still its reward.
+  A failing tool call is the model's observation (an error tool result), not the episode's end.
+- An episode cut by a limit (HUD's `stop_reason` "max_steps", "length" or "timeout") is
+  `truncated`; HUD's grade is still its reward.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import functools
+import json
 import os
 import shutil
 import tempfile
@@ -49,7 +61,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_ENV = ROOT / "tests" / "envs" / "hud_envs" / "miles_digits_hud" / "env.py"
-SPEC_KEYS = {"env", "template", "args", "system"}
+SPEC_KEYS = {"env", "template", "args", "system", "agent"}
+AGENTS = ("miles", "hud")
+TRUNCATED = ("max_steps", "length", "timeout")
+# tool_agent.react's stop -> HUD's StopReason
+STOPS = {"no_tool_call": "done", "max_turns": "max_steps", "turn_max_tokens": "length",
+         "max_episode_tokens": "length", "context_length": "length", "episode_timeout_s": "timeout",
+         "turn_timeout_s": "timeout"}
 _QUIET = {"HUD_TELEMETRY_ENABLED": "false", "HUD_CLI_ANALYTICS_ENABLED": "false",
           "HUD_FILE_TRACKING_ENABLED": "false"}
 _ENVS: dict[str, Any] = {}   # source path -> the environment as first loaded (its name, templates)
@@ -92,6 +110,8 @@ def check_spec(spec: Any) -> dict[str, Any]:
         raise HudError(f"metadata.hud.args: expected a table of template arguments, got {spec['args']!r:.200}")
     if "system" in spec and not isinstance(spec["system"], str):
         raise HudError(f"metadata.hud.system: expected a string, got {spec['system']!r:.200}")
+    if spec.get("agent", "miles") not in AGENTS:
+        raise HudError(f"metadata.hud.agent: expected one of {list(AGENTS)}, got {spec['agent']!r:.200}")
     return spec
 
 
@@ -112,6 +132,126 @@ def load_task(spec: dict[str, Any]):
                        f"{env.name!r} ({spec['env']}); it has {sorted(env.tasks)}")
     task = Task(env=env.name, id=spec["template"], args=dict(spec.get("args") or {}))
     return task, LocalRuntime(path, env=env.name)
+
+
+class McpTools:
+    """The env's MCP tools for `tool_agent.react`: `run(name, arguments)` -> (text, is_error), each
+    call kept in order (`calls`: name, arguments, text, is_error) for the HUD trace."""
+
+    def __init__(self, clients: dict[str, Any], timeout_s: float, max_chars: int):
+        self.clients, self.timeout_s, self.max_chars = clients, timeout_s, max_chars
+        self.calls: list[tuple[str, Any, str, bool]] = []
+
+    async def run(self, name: str, raw_args: Any) -> tuple[str, bool]:
+        text, is_error = await self._run(name, raw_args)
+        self.calls.append((name, raw_args, text, is_error))
+        return text, is_error
+
+    async def _run(self, name: str, raw_args: Any) -> tuple[str, bool]:
+        from miles.envs.tool_agent import _cap
+        if name not in self.clients:
+            return f"error: unknown tool {name!r}; the tools are {', '.join(sorted(self.clients)) or 'none'}", True
+        try:
+            args = json.loads(raw_args or "{}") if isinstance(raw_args, str) else raw_args
+        except json.JSONDecodeError as e:
+            return f"error: the arguments of {name} are not JSON ({e.msg})", True
+        if not isinstance(args, dict):
+            return f"error: {name} takes an object of arguments, got {json.dumps(args)[:200]}", True
+        try:
+            result = await asyncio.wait_for(self.clients[name].call_tool(name, args), self.timeout_s)
+        except asyncio.TimeoutError:
+            return f"error: {name} did not finish within {self.timeout_s} s", True
+        except Exception as e:  # a failing tool is the model's observation, not the episode's end
+            return f"error: {name}: {type(e).__name__}: {e}", True
+        text = "\n".join(c.text for c in result.content if getattr(c, "text", None) is not None)
+        return _cap(text, self.max_chars), bool(result.isError)
+
+
+@functools.cache
+def _miles_agent_class() -> type:
+    """`MilesAgent`, made once HUD is imported quietly (its base class is HUD's `Agent`)."""
+    quiet_hud()
+    from hud.agents.base import Agent
+
+    class MilesAgent(Agent):
+        """Miles' ReAct loop (`tool_agent.react`) driving a HUD run: the run's prompt, the env's
+        MCP tools, every model call to the episode's session; the answer and the steps go on
+        `run.trace` for HUD to grade. One per episode (`result` keeps the loop's metrics)."""
+
+        def __init__(self, base_url: str, task: dict[str, Any], system: str | None):
+            self.base_url, self.task, self.system = base_url, task, system
+            self.result: dict[str, Any] = {}
+
+        async def __call__(self, run: Any) -> None:
+            from hud.capabilities import MCPClient
+            from hud.types import Step
+
+            from miles.envs.tool_agent import DEFAULT_LIMITS, MAX_TOOL_OUTPUT_CHARS, react
+            limits = {**DEFAULT_LIMITS, **(self.task.get("limits") or {})}
+            manifest = run.client.manifest
+            opened = []
+            try:
+                clients, specs = {}, []
+                for cap in (manifest.bindings if manifest is not None else []):
+                    if cap.protocol != MCPClient.protocol:
+                        continue
+                    client = await run.client.open(cap.name)
+                    opened.append(client)
+                    for tool in await client.list_tools():
+                        if tool.name in clients:
+                            raise HudError(f"HUD env tool {tool.name!r} is published by two MCP capabilities")
+                        clients[tool.name] = client
+                        specs.append({"type": "function", "function": {
+                            "name": tool.name, "description": tool.description or "",
+                            "parameters": tool.inputSchema or {"type": "object", "properties": {}}}})
+                tools = McpTools(clients, float(limits["tool_timeout_s"]),
+                                 int(self.task.get("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS)))
+                episode = {**self.task, "prompt": run.prompt_text, "system": self.system, "keep_transcript": True}
+                self.result = await react(self.base_url, episode, tools, specs, declare=bool(specs),
+                                          finished=lambda: False)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as e:   # HUD's own agents end the trace this way: HUD reports it
+                run.trace.status = "error"
+                run.record(Step(source="system", error=f"{type(e).__name__}: {e}"))
+                return
+            finally:
+                for client in opened:
+                    await client.close()
+            _record(run, self.result["messages"], tools.calls)
+            run.trace.stop_reason = STOPS.get(self.result["stop"], "done")
+            run.trace.status = "completed"
+
+    return MilesAgent
+
+
+def _record(run: Any, messages: list[dict[str, Any]], calls: list[tuple[str, Any, str, bool]]) -> None:
+    """The loop's turns on HUD's trace: an AgentStep per reply, a ToolStep per tool result; the last
+    reply's text is the answer HUD grades."""
+    import mcp.types as mcp_types
+    from hud.agents.types import AgentStep, ToolStep
+    from hud.types import MCPToolCall, MCPToolResult
+    pending = iter(calls)
+    by_id: dict[str, MCPToolCall] = {}
+    for message in messages:
+        if message.get("role") == "assistant":
+            tool_calls = []
+            for call in message.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                try:
+                    arguments = json.loads(fn.get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    arguments = fn.get("arguments")
+                tool_calls.append(MCPToolCall(id=call.get("id") or "", name=str(fn.get("name")),
+                                              arguments=arguments if isinstance(arguments, (dict, str)) else None))
+                by_id[tool_calls[-1].id] = tool_calls[-1]
+            run.record(AgentStep(content=message.get("content") or "", tool_calls=tool_calls, done=not tool_calls))
+            run.trace.content = message.get("content") or ""
+        elif message.get("role") == "tool":
+            _, _, text, is_error = next(pending, ("", None, message.get("content", ""), False))
+            run.record(ToolStep(call=by_id.get(message.get("tool_call_id", "")),
+                                result=MCPToolResult(content=[mcp_types.TextContent(type="text", text=text)],
+                                                     isError=is_error)))
 
 
 def hud_agent(base_url: str, api_key: str, sampling: dict[str, Any], max_steps: int, system: str | None):
@@ -162,9 +302,11 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
     spec = check_spec(task.get("hud"))
     hud_task, runtime = load_task(spec)
     limits = task.get("limits") or {}
-    sampling = dict(task.get("sampling") or {})
-    max_steps = int(limits.get("max_turns") or 4)
-    policy, _ = hud_agent(base_url, task.get("api_key") or "none", sampling, max_steps, spec.get("system"))
+    if spec.get("agent", "miles") == "miles":
+        policy = _miles_agent_class()(base_url, task, spec.get("system"))
+    else:
+        policy, _ = hud_agent(base_url, task.get("api_key") or "none", dict(task.get("sampling") or {}),
+                              int(limits.get("max_turns") or 4), spec.get("system"))
     t0 = time.monotonic()
     job = await hud_task.run(policy, runtime=runtime, rollout_timeout=float(limits.get("episode_timeout_s") or 600.0))
     wall = time.monotonic() - t0
@@ -175,12 +317,16 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
                        f"trace status {run.trace.status!r}, grade {run.grade.raw!r}"))
     from hud.agents.types import AgentStep
     turns = [s for s in run.trace.steps if isinstance(s, AgentStep)]
-    llm_s = sum(_span_s(s) for s in turns)
+    loop = getattr(policy, "result", None)
+    metrics = {"hud_rollout_s": wall, "hud_turns": float(len(turns)),
+               "hud_llm_s": loop["metrics"]["chat_s"] if loop else sum(_span_s(s) for s in turns)}
+    if loop:
+        metrics.update({k: loop["metrics"][k] for k in ("tool_calls", "tool_errors", "tool_s")})
+    messages = loop["messages"] if loop else _conversation(run, spec.get("system"))
     out: dict[str, Any] = {"reward": float(run.reward), "stop_reason": run.trace.stop_reason,
                            "answer": run.trace.content, "evaluation": run.evaluation,
-                           "messages": _conversation(run, spec.get("system")),
-                           "metrics": {"hud_rollout_s": wall, "hud_turns": float(len(turns)), "hud_llm_s": llm_s}}
-    if run.trace.stop_reason in ("max_steps", "length"):
+                           "messages": messages, "metrics": metrics}
+    if run.trace.stop_reason in TRUNCATED:
         out["status"] = "truncated"
     return out
 

@@ -1,6 +1,7 @@
 """HUD through `rollout.agent`: a HUD env template (tests/envs/hud_envs) on HUD's `LocalRuntime`,
-HUD's own `OpenAIChatAgent` driving it against the episode's TITO session, HUD's grade as the
-reward; nothing reaches HUD's platform.
+Miles' agent (or HUD's own `OpenAIChatAgent`, `metadata.hud.agent = "hud"`) driving it against the
+episode's TITO session, the env's MCP tools called through HUD's client, HUD's grade as the reward;
+nothing reaches HUD's platform.
 
 The fast tests use the scripted engine (exact answers, so exact rewards) behind the real session
 server; the slow one is a real `miles run` of recipes/envs/hud.toml with the tiny model, with
@@ -101,14 +102,17 @@ async def test_check_spec_names_the_bad_key():
         hud_env.check_spec({"env": "e.py", "template": "t", "tmpl": 1})
     with pytest.raises(hud_env.HudError, match="metadata.hud.args"):
         hud_env.check_spec({"env": "e.py", "template": "t", "args": [1]})
+    with pytest.raises(hud_env.HudError, match=r"metadata.hud.agent: expected one of \['miles', 'hud'\], got 'mine'"):
+        hud_env.check_spec({"env": "e.py", "template": "t", "agent": "mine"})
     with pytest.raises(hud_env.HudError, match="no such file"):
         hud_env.load_task({"env": "nowhere/env.py", "template": "t"})
     with pytest.raises(hud_env.HudError, match=r"'nope' is not a template .* it has \['say_digits'\]"):
         hud_env.load_task({"env": str(hud_env.EXAMPLE_ENV), "template": "nope"})
 
 
+@pytest.mark.parametrize("agent", ["miles", "hud"])
 @aio
-async def test_episodes_get_hud_grades_and_nothing_phones_home(scripted, no_network):
+async def test_episodes_get_hud_grades_and_nothing_phones_home(scripted, no_network, agent):
     """8 HUD rollouts, answers exact, half-right and wrong: each reward is HUD's grade of the
     answer; with telemetry on and an API key set beforehand (every platform URL at a local
     recorder), nothing reaches the recorder and no non-loopback connection is tried."""
@@ -119,7 +123,7 @@ async def test_episodes_get_hud_grades_and_nothing_phones_home(scripted, no_netw
         setattr(settings, var.lower(), recorder.url)
     settings.api_key, settings.telemetry_enabled = "sk-test-not-a-key", True
     try:
-        rows = hud_env.example_rows(8, seed=5)
+        rows = hud_env.example_rows(8, seed=5, agent=agent)
         answers = []
         for i, row in enumerate(rows):
             digits = row["label"]
@@ -140,6 +144,53 @@ async def test_episodes_get_hud_grades_and_nothing_phones_home(scripted, no_netw
     assert recorder.hits == [], recorder.hits
     assert no_network == [], no_network
     assert not settings.telemetry_enabled and settings.api_key is None
+
+
+LOOKUP_ENV = "tests/envs/hud_envs/miles_lookup_hud/env.py"
+
+
+def lookup_row(key: str) -> dict:
+    return {"prompt": "", "label": key, "metadata": {"hud": {"env": LOOKUP_ENV, "template": "find_code",
+                                                             "args": {"key": key}}}}
+
+
+def tool_call(name: str, **arguments) -> str:
+    import json
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+@aio
+async def test_our_agent_calls_the_envs_mcp_tools_and_hud_grades_the_answer(scripted):
+    """The env publishes an MCP server (FastMCP on loopback) as a capability: Miles' agent offers
+    its `lookup` tool to the model (in the rendered prompt), runs the call through HUD's client, feeds
+    the result back, and HUD grades the final answer. A tool that raises is an error result the
+    model sees, not the episode's end; the MCP server is gone after each episode."""
+    engine, url = scripted
+    engine.replies[:] = [tool_call("lookup", key="red"), "The code is 417."]
+    run = await episode(url, lookup_row("red"), "hud-tool-ok", {"max_tokens": 64}, max_turns=3)
+    assert not run.error, run.error
+    out = run.samples[0].metadata["agent"]
+    assert run.reward == 1.0, (out, engine.prompts)
+    assert '"name": "lookup"' in engine.prompts[0]        # the env's tool, declared to the model
+    tool_msgs = [m for m in out["messages"] if m["role"] == "tool"]
+    assert [m["content"] for m in tool_msgs] == ["417"]
+    assert run.metrics["tool_calls"] == 1.0 and run.metrics["tool_errors"] == 0.0
+    assert out["answer"] == "The code is 417." and out["stop_reason"] == "done"
+    assert run.samples[0].response_length > 0
+
+    engine.replies[:] = [tool_call("lookup", key="pink"), tool_call("nope"), "I could not find it."]
+    run = await episode(url, lookup_row("blue"), "hud-tool-bad", {"max_tokens": 64}, max_turns=4)
+    assert not run.error, run.error
+    assert run.reward == 0.0
+    out = run.samples[0].metadata["agent"]
+    errors = [m["content"] for m in out["messages"] if m["role"] == "tool"]
+    assert "no code for 'pink'" in errors[0] and "unknown tool 'nope'; the tools are lookup" in errors[1], errors
+    assert run.metrics["tool_errors"] == 2.0
+
+    engine.replies[:] = [tool_call("lookup", key="green")] * 3
+    run = await episode(url, lookup_row("green"), "hud-tool-limit", {"max_tokens": 64}, max_turns=2)
+    assert not run.error and run.samples[0].status == "truncated"
+    assert run.samples[0].metadata["agent"]["stop_reason"] == "max_steps"
 
 
 @aio
