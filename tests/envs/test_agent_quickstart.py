@@ -23,6 +23,7 @@ import pytest
 
 from miles.envs.tool_agent import PARSE_ERROR, ToolRunner, tool_specs
 from miles.sandboxes.base import DEFAULT_WORKDIR, sandbox_path
+from tests.envs.token_checks import model_spans, model_turns
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,15 +75,12 @@ class FilesSandbox:
         self.files[sandbox_path(path, DEFAULT_WORKDIR)] = data
 
 
-async def conversation(sample, tokenizer) -> tuple[list, list[tuple[int, int]]]:
-    """The messages the agent sent for this sample (the model's turns parsed from its tokens, the
-    tool results re-run on the task's files) and the (start, end) of each model turn."""
+async def conversation(sample, tokenizer) -> list[dict]:
+    """The messages the agent sent for this sample: the model's turns parsed from its tokens, the
+    tool results re-run on the task's files."""
     from miles.tito.families import get_family
     qwen3 = get_family("qwen3")
-    prompt_len = len(sample.tokens) - sample.response_length
-    mask = np.concatenate([np.zeros(prompt_len, bool), sample.loss_mask.astype(bool)])
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    turns = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+    turns = model_spans(sample)
     meta = sample.metadata
     runner = ToolRunner(FilesSandbox(meta["files"]), set(meta["tools"]), 10.0, 2048)
     messages = [{"role": "user", "content": sample.prompt}]
@@ -102,38 +100,19 @@ async def conversation(sample, tokenizer) -> tuple[list, list[tuple[int, int]]]:
         for j, c in enumerate(reply.tool_calls):
             text, _ = await runner.run(c.name, c.arguments_json())
             messages.append({"role": "tool", "tool_call_id": f"c{k}{j}", "content": text})
-    return messages, turns
+    return messages
 
 
 async def check_sample(sample, tokenizer) -> None:
     """Non-model tokens = the chat template's text for the conversation, tokenized; the loss mask is
     exactly the model's turns; rollout log-probs sit on the model's tokens only."""
     from miles.tito.families import get_family
-    from miles.tito.messages import ChatMessage, parse_openai_messages, parse_openai_tools
-    from miles.tito.template import render_template
+    from miles.tito.messages import parse_openai_messages, parse_openai_tools
     qwen3 = get_family("qwen3")
-    messages, turns = await conversation(sample, tokenizer)
-    msgs = parse_openai_messages(messages)
-    marks = []
-    for i, m in enumerate(msgs):
-        if m.role == "assistant":
-            marks.append(f"\x00turn{len(marks)}\x00")
-            msgs[i] = ChatMessage(role="assistant", content=marks[-1])
+    msgs = parse_openai_messages(await conversation(sample, tokenizer))
     tools = parse_openai_tools(tool_specs(sample.metadata["tools"])) if sample.metadata["declare_tools"] else None
-    text = render_template(qwen3.chat_template, [m.to_template_dict() for m in msgs], tools, False)
-    tokens, pos = sample.tokens.tolist(), 0
-    for k, (mark, (a, b)) in enumerate(zip(marks, turns)):
-        piece, text = text.split(mark)
-        if k and tokenizer.id_to_token(tokens[pos - 1]) == qwen3.end_of_turn:
-            piece = piece[len(qwen3.end_of_turn):]   # the model wrote the turn's end itself
-        assert tokens[pos:a] == tokenizer.encode(piece), (k, tokenizer.decode(tokens[pos:a]), piece)
-        pos = b
-    assert pos == len(tokens)
-    prompt_len = len(tokens) - sample.response_length
-    model = sample.loss_mask.astype(bool)
-    assert (sample.rollout_logprobs[~model] == 0).all()
-    assert (sample.rollout_logprobs[model] <= 0).all() and (sample.rollout_logprobs[model] < 0).any()
-    assert turns[0][0] == prompt_len
+    turns = [qwen3.parse_reply(tokenizer.decode(ids)).content for ids in model_turns(sample, tokenizer, msgs, tools)]
+    assert turns == [m.content for m in msgs if m.role == "assistant"], turns
 
 
 @pytest.mark.slow

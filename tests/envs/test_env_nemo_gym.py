@@ -19,10 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import pytest_asyncio
+
+from tests.envs.token_checks import model_turns
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = {"correctness", "schema_valid", "format", "reward"}
@@ -131,44 +132,14 @@ def check_tokens(sample, tokenizer) -> None:
     turns are exactly the loss-masked tokens, each the reply NeMo Gym recorded."""
     from miles.tito.api_responses import parse_input, parse_tools
     from miles.tito.families import get_family
-    from miles.tito.messages import ChatMessage
-    from miles.tito.template import render_template
     qwen3 = get_family("qwen3")
     agent = sample.metadata["agent"]
     msgs, _ = parse_input([*agent["input"], *agent["output"]], None)
     tools = parse_tools(sample.metadata["nemo_gym"]["responses_create_params"]["tools"])
-    prompt_len = len(sample.tokens) - sample.response_length
-    mask = np.concatenate([np.zeros(prompt_len, bool), sample.loss_mask.astype(bool)])
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    turns = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
-    replies, marks = [], []
-    for i, m in enumerate(msgs):
-        if m.role == "assistant":
-            replies.append(m)
-            marks.append(f"\x00turn{len(marks)}\x00")
-            msgs[i] = ChatMessage(role="assistant", content=marks[-1])
-    assert turns and len(turns) <= len(marks), (len(turns), len(marks))
-    # a sample ends at its last model turn: what came after it is not in its tokens
-    last = [i for i, m in enumerate(msgs) if m.role == "assistant"][len(turns) - 1]
-    marks, msgs = marks[:len(turns)], msgs[:last + 1]
-    text = render_template(qwen3.chat_template, [m.to_template_dict() for m in msgs], tools, False)
-    tokens, pos = sample.tokens.tolist(), 0
-    for k, (mark, (a, b)) in enumerate(zip(marks, turns)):
-        piece, text = text.split(mark)
-        if k and tokenizer.id_to_token(tokens[pos - 1]) == qwen3.end_of_turn:
-            piece = piece[len(qwen3.end_of_turn):]   # the model wrote the turn's end itself
-        assert tokens[pos:a] == tokenizer.encode(piece), (k, tokenizer.decode(tokens[pos:a]), piece)
-        ids = tokens[a:b]
-        if tokenizer.id_to_token(ids[-1]) in qwen3.stop_tokens:
-            ids = ids[:-1]
-        reply = qwen3.parse_reply(tokenizer.decode(ids))
-        assert reply.content == replies[k].content, (k, reply.content, replies[k].content)
-        assert [(c.name, c.arguments) for c in reply.tool_calls] == \
-            [(c.name, c.arguments) for c in replies[k].tool_calls], (k, reply.tool_calls, replies[k].tool_calls)
-        pos = b
-    assert pos == len(tokens)
-    model = sample.loss_mask.astype(bool)
-    assert model[0] and (sample.rollout_logprobs[~model] == 0).all() and (sample.rollout_logprobs[model] < 0).any()
+    turns = [qwen3.parse_reply(tokenizer.decode(ids)) for ids in model_turns(sample, tokenizer, msgs, tools)]
+    recorded = [m for m in msgs if m.role == "assistant"][:len(turns)]
+    assert [(r.content, [(c.name, c.arguments) for c in r.tool_calls]) for r in turns] == \
+        [(m.content, [(c.name, c.arguments) for c in m.tool_calls]) for m in recorded], (turns, recorded)
 
 
 BROKEN_ROWS = """

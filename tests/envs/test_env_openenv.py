@@ -22,6 +22,7 @@ import pytest_asyncio
 from miles.envs import openenv_env
 from miles.envs.agent import run_agent
 from miles.tito.client import SessionServerClient
+from tests.envs.token_checks import model_turns
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "envs" / "openenv_envs"))
@@ -278,40 +279,13 @@ def check_trained_samples(samples: list, out: Path) -> None:
     """TITO: each sample's non-model tokens are the chat template's rendering of the episode's
     conversation (`metadata["agent"]["messages"]`), its model tokens are the assistant turns
     exactly, under the loss mask, with the engine's log-probs."""
-    import numpy as np
-
     from miles.tito.families import get_family
-    from miles.tito.messages import ChatMessage, parse_openai_messages
-    from miles.tito.template import render_template
+    from miles.tito.messages import parse_openai_messages
     from miles.tito.tokenizer import load_tokenizer
     resolved = json.loads(next(out.glob("recipe.resolved*.json")).read_text())
     tokenizer = load_tokenizer(resolved["model"]["path"])
     qwen3 = get_family("qwen3")
     for sample in samples:
         msgs = parse_openai_messages(sample.metadata["agent"]["messages"])
-        replies, marks = [], []
-        for i, m in enumerate(msgs):
-            if m.role == "assistant":
-                replies.append(m.content)
-                marks.append(f"\x00turn{len(marks)}\x00")
-                msgs[i] = ChatMessage(role="assistant", content=marks[-1])
-        text = render_template(qwen3.chat_template, [m.to_template_dict() for m in msgs], None, False)
-        prompt_len = len(sample.tokens) - sample.response_length
-        mask = np.concatenate([np.zeros(prompt_len, bool), sample.loss_mask.astype(bool)])
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-        turns = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
-        assert len(turns) == len(marks), (len(turns), len(marks))
-        tokens, pos = sample.tokens.tolist(), 0
-        for k, (mark, (a, b)) in enumerate(zip(marks, turns)):
-            piece, text = text.split(mark)
-            if k and tokenizer.id_to_token(tokens[pos - 1]) == qwen3.end_of_turn:
-                piece = piece[len(qwen3.end_of_turn):]   # the model wrote the turn's end itself
-            assert tokens[pos:a] == tokenizer.encode(piece), (k, tokenizer.decode(tokens[pos:a]), piece)
-            ids = tokens[a:b]
-            if tokenizer.id_to_token(ids[-1]) in qwen3.stop_tokens:
-                ids = ids[:-1]
-            assert qwen3.parse_reply(tokenizer.decode(ids)).content == replies[k], (k, replies[k])
-            pos = b
-        assert pos == len(tokens)
-        model = sample.loss_mask.astype(bool)
-        assert (sample.rollout_logprobs[~model] == 0).all() and (sample.rollout_logprobs[model] < 0).any()
+        turns = [qwen3.parse_reply(tokenizer.decode(ids)).content for ids in model_turns(sample, tokenizer, msgs)]
+        assert turns == [m.content for m in msgs if m.role == "assistant"], turns   # every turn, none cut
