@@ -58,13 +58,21 @@ VALIDATION = [
 ]
 
 
+def gpu_machine(args: argparse.Namespace) -> str:
+    """What the figures were measured on, in words."""
+    if args.device == "cpu":
+        return f"{os.cpu_count()}-core CPU"
+    return "1 GPU, trainer and engine sharing it" if args.engine_device == "cuda:0" else "2 GPUs"
+
+
 def recipe_sets(mode: str, staleness: int, groups: int, median: int, engines: int, steps: int,
-                out: Path, device: str = "cpu") -> dict[str, str]:
+                out: Path, device: str = "cpu", engine_device: str = "cuda:1") -> dict[str, str]:
     """bench/async_rl.py's configuration of the quickstart (its heavy-tail plug-in), varied. On
     CUDA, as `bench/async_rl.py --device cuda --engine-device cuda:1 --model small`: the trainer
-    on GPU 0, the engine on GPU 1, bf16, the ~0.2B model."""
+    on GPU 0, the engine on GPU 1 (`engine_device`; "cuda:0" shares the trainer's GPU, both
+    running at once), bf16, the ~0.2B model."""
     gpu = {} if device == "cpu" else {
-        "engine.device": json.dumps("cuda:1"), "engine.dtype": json.dumps("bfloat16"),
+        "engine.device": json.dumps(engine_device), "engine.dtype": json.dumps("bfloat16"),
         "train.param_dtype": json.dumps("bfloat16"),
         "model.tiny_overrides": "{%s}" % ", ".join(f"{k} = {v}" for k, v in MODELS["small"].items())}
     return {**_cpu_sets(mode, staleness, groups, median, engines, steps, out), **gpu}
@@ -271,6 +279,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: 2 GPUs (trainer on 0, engine on 1), the 0.2B model (model size small)")
+    ap.add_argument("--engine-device", default="cuda:1",
+                    help="with --device cuda: the engine's GPU (cuda:0: one GPU the trainer and the "
+                         "engine share, both running at once)")
     args = ap.parse_args()
     if not args.log_dir and not args.from_logs:
         args.log_dir = tempfile.mkdtemp(prefix="plan_calibrate_")
@@ -280,7 +291,8 @@ def main() -> None:
         if args.inputs:
             inputs = json.loads(Path(args.inputs).read_text())
         else:
-            cal = {name: measure(name, recipe_sets(m, st, g, med, e, args.steps, Path(tmp) / name, args.device),
+            cal = {name: measure(name, recipe_sets(m, st, g, med, e, args.steps, Path(tmp) / name, args.device,
+                                             args.engine_device),
                                  Path(tmp) / name, args) for name, m, st, g, med, e in CALIBRATION}
             inputs = calibrate(cal["cal_sync"], cal["cal_async_s2"])
             print(json.dumps({"bench": "plan_calibrate", "part": "inputs", "inputs": inputs}), flush=True)
@@ -293,7 +305,8 @@ def main() -> None:
                 continue
             if args.device != "cpu" and engines > 1:
                 continue                      # one engine GPU on the 2-GPU machine
-            sets = recipe_sets(mode, st, groups, median, engines, args.steps, Path(tmp) / name, args.device)
+            sets = recipe_sets(mode, st, groups, median, engines, args.steps, Path(tmp) / name, args.device,
+                                             args.engine_device)
             recipe = load_recipe(recipe_path, [f"{k}={v}" for k, v in sets.items()])
             got = measure(name, sets, Path(tmp) / name, args)
             size = "tiny" if args.device == "cpu" else "small"
@@ -315,7 +328,7 @@ def main() -> None:
                 "strict_step_err": round(strict_errors[-1], 3),
                 "own_components_step_s": own["step_s"], "own_components_step_err": round(own_errors[-1], 3), "speed_ratio": round(got["probe_s"] / inputs["probe_s"], 3),
                 "load_avg_1m": got["load_avg_1m"], "wall_s": round(got["wall_s"], 1),
-                "machine": f"{os.cpu_count()}-core CPU" if args.device == "cpu" else "2 GPUs"}), flush=True)
+                "machine": gpu_machine(args)}), flush=True)
     if errors:
         abs_err = np.abs(errors)
         print(json.dumps({"bench": "plan_calibrate", "part": "summary", "configs": len(errors),
