@@ -117,11 +117,21 @@ class LazySandbox:
     def workdir(self) -> str:
         return self._sandbox.workdir if self._sandbox is not None else (self._spec.workdir or "/workspace")
 
-    async def exec(self, cmd, cwd=None, env=None, timeout_s=None):
+    @property
+    def spec(self) -> SandboxSpec:
+        return self._spec
+
+    def open_another(self, spec: SandboxSpec):
+        """A fresh sandbox from the same pool, `async with`-ed by the caller (a Harbor task's
+        separate verifier); it is the caller's to close, not the episode's. It rides on the
+        episode's pool slot: waiting for a second one could deadlock a full pool."""
+        return self._pool.sandbox(spec, own_slot=False)
+
+    async def exec(self, cmd, cwd=None, env=None, timeout_s=None, user=None):
         sandbox = await self.get()
         t0 = time.monotonic()
         try:
-            result = await sandbox.exec(cmd, cwd=cwd, env=env,
+            result = await sandbox.exec(cmd, cwd=cwd, env=env, user=user,
                                         timeout_s=self.tool_timeout_s if timeout_s is None else timeout_s)
         except Exception:
             self._stats.exec_errors += 1

@@ -23,8 +23,16 @@ Design decisions:
 - The sandbox stays ours: the server's Harbor environment (`BridgeEnvironment`) calls back into
   this process over a small HTTP bridge (exec/upload/upload_dir/download, bytes as base64), and
   the bridge runs each call in the episode's `task["sandbox"]`. The episode runner creates and
-  destroys it as for any agent; Harbor's start/stop touch nothing. One token per episode names its
-  sandbox on the bridge; it is dropped when the episode ends.
+  destroys it as for any agent; Harbor's start/stop of the agent's environment touch nothing. One
+  token per episode names its sandbox on the bridge; it is dropped when the episode ends.
+- Users are Harbor's: each bridged exec runs as the user Harbor resolved for it (`[agent] user`
+  for the agent's commands, `[verifier] user` for tests/test.sh, root for its own set-up), through
+  the sandbox's `exec(user=)`; a backend that cannot switch users fails the trial naming the user.
+- A task whose verifier runs separately (`[verifier] environment_mode = "separate"` or a
+  `[verifier.environment]` table) gets a fresh sandbox for Harbor's verifier environment, from
+  the episode's pool (`verifier_spec` of our loader's reading of the task): the bridge's
+  `open_verifier` when Harbor starts that environment (a token of its own), `close` when Harbor
+  stops it, or the episode's end, whichever is first. Harbor copies the agent's artifacts in.
 - The reward is Harbor's: its verifier's `rewards` (`reward.json` as a dict reward, `reward.txt`
   as a float). A trial that failed (Harbor's exception, no reward file, server down, bad answer)
   raises here, so the agent layer marks the samples `failed` with the error in
@@ -42,12 +50,13 @@ import secrets
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncContextManager, Callable
 
 import aiohttp
 from aiohttp import web
 
-from miles.sandboxes.harbor import load_task, task_sandbox
+from miles.envs.context import run_to_end
+from miles.sandboxes.harbor import load_task, task_sandbox, verifier_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = Path(__file__).resolve().parent / "servers" / "harbor_server.py"
@@ -66,6 +75,8 @@ class SandboxBridge:
         self.sandboxes: dict[str, Any] = {}
         self.url = ""
         self._runner: web.AppRunner | None = None
+        self._openers: dict[str, Callable[[], AsyncContextManager[Any]]] = {}   # by episode token
+        self._opened: dict[str, tuple[str, AsyncContextManager[Any]]] = {}   # token -> (episode's, cm)
 
     async def start(self) -> None:
         from miles.engines.procs import free_port
@@ -82,23 +93,58 @@ class SandboxBridge:
             await self._runner.cleanup()
             self._runner = None
 
-    def register(self, sandbox: Any) -> str:
+    def register(self, sandbox: Any, open_verifier: Callable[[], AsyncContextManager[Any]] | None = None
+                 ) -> str:
+        """The bridge URL of an episode's sandbox; `open_verifier` makes its separate verifier's."""
         token = secrets.token_urlsafe(16)
         self.sandboxes[token] = sandbox
+        if open_verifier is not None:
+            self._openers[token] = open_verifier
         return f"{self.url}/{token}"
 
-    def unregister(self, url: str) -> None:
-        self.sandboxes.pop(url.rsplit("/", 1)[-1], None)
+    async def unregister(self, url: str) -> None:
+        """Drop an episode's sandbox, and close the verifier sandboxes it opened that are still open."""
+        token = url.rsplit("/", 1)[-1]
+        self.sandboxes.pop(token, None)
+        self._openers.pop(token, None)
+        for child in [t for t, (owner, _) in self._opened.items() if owner == token]:
+            await self._close(child)
+
+    async def _close(self, token: str) -> None:
+        self.sandboxes.pop(token, None)
+        _, cm = self._opened.pop(token)
+        await run_to_end(cm.__aexit__(None, None, None))
+
+    async def _open_verifier(self, token: str) -> web.Response:
+        opener = self._openers.get(token)
+        if opener is None:
+            return web.json_response({"error": "Harbor asked for a separate verifier sandbox, but this episode "
+                                      "has none to give: our reading of the task shares the agent's, or the "
+                                      "episode's sandbox has no pool to open another from"}, status=409)
+        cm = opener()
+        fresh = await cm.__aenter__()
+        child = secrets.token_urlsafe(16)
+        self.sandboxes[child], self._opened[child] = fresh, (token, cm)
+        if token not in self.sandboxes:   # the episode ended meanwhile: nobody would close it
+            await self._close(child)
+            return web.json_response({"error": "the episode ended"}, status=410)
+        return web.json_response({"url": f"{self.url}/{child}"})
 
     async def handle(self, request: web.Request) -> web.Response:
         sandbox = self.sandboxes.get(request.match_info["token"])
         if sandbox is None:
             return web.json_response({"error": "no such episode sandbox (the episode ended)"}, status=410)
-        op, body = request.match_info["op"], await request.json()
+        token, op, body = request.match_info["token"], request.match_info["op"], await request.json()
         try:
+            if op == "open_verifier":
+                return await self._open_verifier(token)
+            if op == "close":
+                if token in self._opened:
+                    await self._close(token)
+                return web.json_response({})
             if op == "exec":
                 r = await sandbox.exec(body["command"], cwd=body.get("cwd"), env=body.get("env") or None,
-                                       timeout_s=body.get("timeout_s"))
+                                       timeout_s=body.get("timeout_s"), user=body.get("user"))
                 return web.json_response({"exit_code": -1 if r.timed_out else r.exit_code,
                                           "stdout": r.stdout, "stderr": r.stderr, "timed_out": r.timed_out})
             if op == "upload":
@@ -209,8 +255,14 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
                "agent": task.get("harbor_agent") or {}}
     if limits.get("episode_timeout_s"):
         request["agent_timeout_s"] = float(limits["episode_timeout_s"])
-    await task["sandbox"].exec("true", timeout_s=120)   # created now: the bridge needs a live one
-    request["bridge_url"] = bridge.register(task["sandbox"])
+    sandbox = task["sandbox"]
+    await sandbox.exec("true", timeout_s=120)   # created now: the bridge needs a live one
+    ours = load_task(path)
+    open_verifier = None
+    if ours.verifier_environment is not None and hasattr(sandbox, "open_another"):
+        def open_verifier():
+            return sandbox.open_another(verifier_spec(ours, sandbox.spec))
+    request["bridge_url"] = bridge.register(sandbox, open_verifier)
     t0 = time.monotonic()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RUN_TIMEOUT_S)) as http:
@@ -219,7 +271,7 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
                 if r.status != 200 or not isinstance(body, dict):
                     raise HarborError(f"harbor server {server_url}/run: HTTP {r.status}: {str(body)[:500]}")
     finally:
-        bridge.unregister(request["bridge_url"])
+        await bridge.unregister(request["bridge_url"])
     wall = time.monotonic() - t0
     if body.get("status") != "ok":
         raise HarborError(f"harbor trial of {path}: {body.get('error') or 'no reward'}")

@@ -15,6 +15,11 @@ Design decisions:
   is kept as the sandbox saw it (124 or 137).
 - Every sandbox has a wall-clock TTL enforced by the backend or the provider (reaper process,
   container main process, provider-side timeout): a sandbox nobody destroys still dies.
+- `exec(user=)` runs a command as another user of the sandbox (a name or a numeric uid, as
+  `docker exec --user`; Harbor's `[agent] user` / `[verifier] user`). None is the sandbox's default
+  user, and the only value every backend takes: one that cannot switch to `user` raises
+  SandboxError naming the user and the backend (the `_exec_as` default), never runs it as someone
+  else.
 - `destroy()` is idempotent and shielded from cancellation in `__aexit__`: an episode that is
   cancelled mid-flight must not leak its sandbox.
 - Labels are the ownership record: `Backend.sweep(labels)` destroys everything carrying them, which
@@ -35,6 +40,7 @@ import msgspec
 
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_USER = re.compile(r"[^\s\x00]+")
 DEFAULT_WORKDIR = "/workspace"
 
 
@@ -238,9 +244,9 @@ class Sandbox(abc.ABC):
 
     async def exec(self, cmd: str | Sequence[str], cwd: str | None = None,
                    env: Mapping[str, str] | None = None,
-                   timeout_s: float | None = None) -> ExecResult:
-        """Run `cmd` (a shell string, or an argv list) and wait for it. The timeout is clipped to
-        what is left of the sandbox's TTL."""
+                   timeout_s: float | None = None, user: str | None = None) -> ExecResult:
+        """Run `cmd` (a shell string, or an argv list) and wait for it, as `user` (None: the
+        sandbox's default user). The timeout is clipped to what is left of the sandbox's TTL."""
         self._check_live()
         timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
         check(isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0,
@@ -251,7 +257,11 @@ class Sandbox(abc.ABC):
         for key, value in env.items():
             check(bool(_ENV_KEY.match(key)) and isinstance(value, str), f"env[{key!r}]", value,
                   "NAME=string pairs")
-        return await self._exec(shell_argv(cmd), cwd, env, timeout_s)
+        if user is None:
+            return await self._exec(shell_argv(cmd), cwd, env, timeout_s)
+        check(isinstance(user, str) and bool(_USER.fullmatch(user)), "user", user,
+              "a user name or numeric uid (a string without whitespace)")
+        return await self._exec_as(user, shell_argv(cmd), cwd, env, timeout_s)
 
     async def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write `data` to `path` inside the sandbox, creating parent directories."""
@@ -292,6 +302,12 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult: ...
+
+    async def _exec_as(self, user: str, argv: list[str], cwd: str, env: dict[str, str],
+                       timeout_s: float) -> ExecResult:
+        """`_exec` as `user`. Backends that can switch users override this; the default refuses."""
+        raise SandboxError(f"backend {self.backend_name} cannot run commands as user {user!r} "
+                           f"(sandbox {self.id}): it has no way to switch users")
 
     @abc.abstractmethod
     async def _upload(self, path: str, data: bytes, mode: int) -> None: ...

@@ -18,6 +18,9 @@ Design decisions:
 - Without root, bubblewrap runs as the caller's uid with the same namespaces; only RLIMIT_NPROC
   is left out (it would count all of the user's processes) and kill-by-uid is not used: the pid
   namespace already ends every process with its exec.
+- Users (`exec(user=)`): the user namespace maps one uid, 0 inside, so every command runs as root
+  and `user` may only be "root" or "0"; any other raises SandboxError naming the user and the
+  backend. Tasks with their own users need docker.
 - Availability is checked by actually running bubblewrap once (`bwrap --ro-bind / / true` under
   the sandbox settings); a kernel without unprivileged user namespaces fails there with bwrap's own
   message instead of on the first episode.
@@ -64,6 +67,14 @@ class BwrapSandbox(HostSandbox):
             # bubblewrap's own failure (a bad mount), not the command's exit code.
             raise SandboxError(f"bwrap sandbox {self.id}: {result.stderr.strip()}")
         return result
+
+    async def _exec_as(self, user: str, argv: list[str], cwd: str, env: dict[str, str],
+                       timeout_s: float) -> ExecResult:
+        if user not in ("root", "0"):
+            raise SandboxError(f"backend bwrap cannot run commands as user {user!r} (sandbox "
+                               f"{self.id}): its user namespace has only root (uid 0); use the "
+                               f"docker backend for tasks with their own users")
+        return await self._exec(argv, cwd, env, timeout_s)
 
 
 class BwrapBackend(HostBackend):

@@ -9,6 +9,9 @@ Design decisions:
   SDK has its own timeout: E2B's is a client connection timeout that leaves the process running,
   and uniform wrapping makes `timed_out` mean the same thing on every backend. The SDK timeout is
   set a few seconds later, as the backstop.
+- Users (`exec(user=)`): the command runs under `su USER -s /bin/sh -c CMD` (a numeric uid is
+  looked up with getent first), as Harbor's own Daytona and Modal environments do; it needs the
+  sandbox's default user to be root. E2B has a user per command and overrides this.
 - Labels: `miles.sandbox=1` plus the spec's labels go into the provider's labels/metadata/tags,
   and the provider's own TTL is set from `ttl_s` (E2B timeout, Daytona ttl_minutes, Modal timeout),
   so a lost sandbox dies at the provider even if sweep never runs.
@@ -42,6 +45,14 @@ def require_sdk(module: str, backend: str, sdk: Any = None) -> Any:
 
 def remote_command(argv: list[str], timeout_s: float, kill_after_s: float) -> str:
     return shlex.join(timeout_argv(timeout_s, argv, kill_after_s))
+
+
+def su_argv(user: str, argv: list[str]) -> list[str]:
+    """`argv` as `user` through su, which takes names only: a uid is resolved inside."""
+    if not user.isdigit():
+        return ["su", user, "-s", "/bin/sh", "-c", shlex.join(argv)]
+    return ["/bin/sh", "-c", 'exec su "$(getent passwd "$1" | cut -d: -f1)" -s /bin/sh -c "$2"',
+            "sh", user, shlex.join(argv)]
 
 
 def sdk_timeout_s(timeout_s: float, kill_after_s: float) -> int:
@@ -78,3 +89,7 @@ class CloudSandbox(Sandbox):
         super().__init__(sandbox_id, spec, workdir=workdir, default_timeout_s=backend.default_timeout_s)
         self.backend = backend
         self.handle = handle
+
+    async def _exec_as(self, user: str, argv: list[str], cwd: str, env: dict[str, str],
+                       timeout_s: float) -> ExecResult:
+        return await self._exec(su_argv(user, argv), cwd, env, timeout_s)

@@ -6,6 +6,7 @@ create  = `docker run -d` of the image with `sleep <ttl_s>` as its only process 
           labels `miles.sandbox=1`, `miles.deadline=<epoch>`, `miles.label.<key>=<value>`.
 exec    = Engine exec of `timeout -k 2 T /bin/sh -c CMD`. The timeout must run inside: killing a
           `docker exec` client leaves its command running in the container (verified by hand).
+          `exec(user=)` is the exec's User (`docker exec --user`: a name or uid of the image).
 upload  = PUT archive (one tar), download = GET archive.
 destroy = force remove.
 
@@ -59,11 +60,19 @@ class DockerSandbox(Sandbox):
 
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:
+        return await self._run(argv, cwd, env, timeout_s, None)
+
+    async def _exec_as(self, user: str, argv: list[str], cwd: str, env: dict[str, str],
+                       timeout_s: float) -> ExecResult:
+        return await self._run(argv, cwd, env, timeout_s, user)
+
+    async def _run(self, argv: list[str], cwd: str, env: dict[str, str], timeout_s: float,
+                   user: str | None) -> ExecResult:
         started = time.monotonic()
         kill_after = self.backend.kill_after_s
         code, out, err, truncated = await self.backend.api.exec(
             self.container_id, timeout_argv(timeout_s, argv, kill_after), env=env, workdir=cwd,
-            timeout_s=timeout_s + kill_after + BACKSTOP_GRACE_S,
+            user=user, timeout_s=timeout_s + kill_after + BACKSTOP_GRACE_S,
             max_output_bytes=self.backend.max_output_bytes)
         elapsed = time.monotonic() - started
         if code is None:

@@ -117,13 +117,17 @@ class DockerAPI:
         return json.loads(out)
 
     async def exec(self, cid: str, cmd: list[str], *, env: dict[str, str], workdir: str,
-                   timeout_s: float, max_output_bytes: int
+                   timeout_s: float, max_output_bytes: int, user: str | None = None
                    ) -> tuple[int | None, str, str, bool]:
-        """Run `cmd` in the container; (exit_code or None if the stream was cut, stdout, stderr,
-        truncated). `timeout_s` is the backstop for the whole request."""
-        out = await self.request("POST", f"/containers/{cid}/exec", f"exec in {cid[:12]}", body={
-            "AttachStdin": False, "AttachStdout": True, "AttachStderr": True, "Tty": False,
-            "Cmd": cmd, "Env": [f"{k}={v}" for k, v in env.items()], "WorkingDir": workdir})
+        """Run `cmd` in the container, as `user` (None: the image's USER); (exit_code or None if
+        the stream was cut, stdout, stderr, truncated). `timeout_s` is the backstop for the whole
+        request."""
+        body = {"AttachStdin": False, "AttachStdout": True, "AttachStderr": True, "Tty": False,
+                "Cmd": cmd, "Env": [f"{k}={v}" for k, v in env.items()], "WorkingDir": workdir}
+        if user is not None:
+            body["User"] = user
+        out = await self.request("POST", f"/containers/{cid}/exec", f"exec in {cid[:12]}",
+                                 body=body)
         exec_id = json.loads(out)["Id"]
         bufs = {1: CappedBuffer(max_output_bytes), 2: CappedBuffer(max_output_bytes)}
         try:

@@ -5,6 +5,7 @@ Mapping:
     create   AsyncSandbox.create(template, timeout=ttl_s, metadata=labels, envs=env,
              allow_internet_access=network, **ApiParams)   then one `mkdir -p workdir`/`pwd` exec
     exec     sandbox.commands.run("timeout -k 2 T /bin/sh -c CMD", envs, cwd, user, timeout)
+             (user: the backend's `user` option, or exec's `user=`)
              (a non-zero exit raises CommandExitException, which carries exit_code/stdout/stderr)
     upload   sandbox.files.write(path, data, user)
     download sandbox.files.read(path, format="bytes", user)
@@ -50,12 +51,20 @@ class E2BSandbox(CloudSandbox):
 
     async def _exec(self, argv: list[str], cwd: str, env: dict[str, str],
                     timeout_s: float) -> ExecResult:
+        return await self._run(argv, cwd, env, timeout_s, self.backend.user)
+
+    async def _exec_as(self, user: str, argv: list[str], cwd: str, env: dict[str, str],
+                       timeout_s: float) -> ExecResult:
+        return await self._run(argv, cwd, env, timeout_s, user)
+
+    async def _run(self, argv: list[str], cwd: str, env: dict[str, str], timeout_s: float,
+                   user: str | None) -> ExecResult:
         b = self.backend
         started = time.monotonic()
         try:
             r = await self.handle.commands.run(
                 remote_command(argv, timeout_s, b.kill_after_s), envs=env or None, cwd=cwd,
-                user=b.user, timeout=sdk_timeout_s(timeout_s, b.kill_after_s),
+                user=user, timeout=sdk_timeout_s(timeout_s, b.kill_after_s),
                 request_timeout=b.request_timeout_s)
         except b.sdk.CommandExitException as exc:
             return result(exc.exit_code, exc.stdout, exc.stderr, started, timeout_s,

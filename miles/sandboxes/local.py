@@ -22,6 +22,13 @@ Without root (HPC login nodes) the same backend degrades, and says so in `isolat
 namespace comes from an unprivileged user namespace, and RLIMIT_NPROC is not applied (it would
 count all of the user's processes). Use bwrap for real isolation without root.
 
+Users (`exec(user=)`, Harbor's `[agent] user` / `[verifier] user`): every command of a sandbox runs
+as its one identity, the sandbox uid standing in for root (HOME=/root, USER=root, owner of all of
+R) as root, the caller's own uid without root. Another user would need a second uid that can reach
+R and that kill-by-uid (destroy, sweep, the reaper) would miss, so there is none: `user` may only
+name the current user (the controller's name or uid, "root"/"0" when it runs as root); any other
+raises SandboxError naming the user and the backend. Tasks with their own users need docker.
+
 Not covered: cgroups. The memory limit is RLIMIT_AS, so a hog fails its allocation (MemoryError,
 ENOMEM) rather than being OOM-killed, and `cpu` only scales the CPU-seconds guard.
 """
@@ -29,9 +36,10 @@ ENOMEM) rather than being OOM-killed, and `cpu` only scales the CPU-seconds guar
 from __future__ import annotations
 
 import os
+import pwd
 import sys
 
-from miles.sandboxes.base import BackendUnavailableError, ExecResult, timeout_argv
+from miles.sandboxes.base import BackendUnavailableError, ExecResult, SandboxError, timeout_argv
 from miles.sandboxes.host import HostBackend, HostSandbox, require_binary
 from miles.sandboxes.hostfs import RootTemplate
 from miles.sandboxes.linux import DEV_NODES
@@ -63,6 +71,26 @@ class SubprocessSandbox(HostSandbox):
         setup = AsUid(uid=None, limits=limits, cwd=self.host_path(cwd),
                       network=self.spec.network)
         return await self.run_host(wrapped, full_env, timeout_s, setup)
+
+    async def _exec_as(self, user: str, argv: list[str], cwd: str, env: dict[str, str],
+                       timeout_s: float) -> ExecResult:
+        current = current_user()
+        if user not in current:
+            raise SandboxError(
+                f"backend subprocess cannot run commands as user {user!r} (sandbox {self.id}): "
+                f"its commands all run as the sandbox's one identity, so it only takes the "
+                f"current user ({' or '.join(map(repr, current))}); use the docker backend for "
+                f"tasks with their own users")
+        return await self._exec(argv, cwd, env, timeout_s)
+
+
+def current_user() -> tuple[str, ...]:
+    """The controller's user: its uid, and its name where the passwd database has one."""
+    uid = os.geteuid()
+    try:
+        return (pwd.getpwuid(uid).pw_name, str(uid))
+    except KeyError:
+        return (str(uid),)
 
 
 class SubprocessBackend(HostBackend):

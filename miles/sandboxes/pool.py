@@ -7,7 +7,8 @@
 
 Design decisions:
 - A concurrency slot is held from before create until destroy has finished, so `max_concurrent`
-  bounds live sandboxes (and provider quota), not just running episodes.
+  bounds live sandboxes (and provider quota), not just running episodes. The one exception is an
+  episode's second sandbox (`own_slot=False`, a separate verifier), which rides on its slot.
 - Creation is paced by a token bucket (`create_rate_per_s`, `create_burst`) shared by every
   episode of the pool: providers throttle bursts (Modal's 5/s, Daytona's org limits) and a start-up
   stampede of hundreds of creates is the usual way to hit them.
@@ -155,9 +156,12 @@ class SandboxPool:
             self.stats.live = len(self._live)
 
     @contextlib.asynccontextmanager
-    async def sandbox(self, spec: SandboxSpec | None = None) -> AsyncIterator[Sandbox]:
-        """A fresh sandbox for one episode, destroyed on exit whatever happens."""
-        async with self._slots:
+    async def sandbox(self, spec: SandboxSpec | None = None, *,
+                      own_slot: bool = True) -> AsyncIterator[Sandbox]:
+        """A fresh sandbox for one episode, destroyed on exit whatever happens. `own_slot=False`
+        is for a second sandbox of an episode that holds a slot already (a Harbor task's separate
+        verifier): it takes none, as holders waiting for a second slot could deadlock the pool."""
+        async with self._slots if own_slot else contextlib.nullcontext():
             sandbox = await self._create(spec or SandboxSpec())
             self._live.add(sandbox)
             self.stats.live = len(self._live)

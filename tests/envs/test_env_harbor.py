@@ -2,7 +2,10 @@
 sandboxes, with the model behind a TITO session.
 
 - Our Harbor-layout loader (`miles.sandboxes.harbor`) reads what `harbor tasks init` makes, and
-  agrees with Harbor's own `Task` parsing on every field we use.
+  agrees with Harbor's own `Task` parsing on every field we use, users and the separate verifier's
+  environment (Harbor's own resolution of it) included.
+- A separate verifier gets a fresh sandbox from the episode's pool through the bridge, closed when
+  Harbor stops it or the episode ends; every bridged exec runs as the user Harbor resolved.
 - Failures are data: a task whose verifier writes no reward, and a trial server that is down,
   give `failed` samples naming the error; the episode runner goes on.
 - The recipe in a real `miles run`: 16 Harbor trials, Harbor's rewards in the samples, every
@@ -17,8 +20,10 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +31,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from miles.sandboxes.harbor import load_task
+from miles.sandboxes.harbor import load_task, task_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +83,151 @@ def test_loader_agrees_with_harbor_on_a_task_harbor_made(harbor_python, tmp_path
     mine = {k: getattr(ours, k) for k in theirs}
     assert mine == theirs
     assert theirs["network"] is False and theirs["cpus"] == 2 and theirs["env"] == {"FOO": "bar"}
+
+
+HARBOR_VERIFIER = """
+import json, sys
+from harbor.models.task.task import Task
+from harbor.models.task.verifier_mode import resolve_task_verifier_mode, resolve_verifier_environment_definition
+t = Task(sys.argv[1]); c = t.config
+d = resolve_verifier_environment_definition(c, t.paths)
+own = d is not None and d.config.docker_image is None and (d.directory / "Dockerfile").is_file()
+print(json.dumps({"agent_user": c.agent.user, "verifier_user": c.verifier.user,
+    "mode": resolve_task_verifier_mode(c).value, "image": d and d.config.docker_image,
+    "dockerfile": str(d.directory / "Dockerfile") if own else None, "bundled": d and d.bundled_tests,
+    "memory_mb": d and d.config.memory_mb, "network": d and d.config.network_mode.value == "public",
+    "artifacts": [[a, []] if isinstance(a, str) else [a.source, a.exclude] for a in c.artifacts]}))
+"""
+
+
+def write_task(d: Path, toml: str, test_sh: str = "true\n", tests_dockerfile: str | None = None) -> Path:
+    (d / "environment").mkdir(parents=True)
+    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
+    (d / "tests").mkdir()
+    (d / "tests" / "test.sh").write_text(test_sh)
+    if tests_dockerfile:
+        (d / "tests" / "Dockerfile").write_text(tests_dockerfile)
+    (d / "instruction.md").write_text("Say the word apple.\n")
+    (d / "task.toml").write_text(toml)
+    return d
+
+
+def test_loader_agrees_with_harbor_on_users_and_the_verifier_environment(harbor_python, tmp_path):
+    cases = {"image": ('artifacts = ["/data", {source = "out.txt", exclude = ["*.tmp"]}]\n'
+                       '[agent]\nuser = "agent"\n[verifier]\nuser = 1000\n'
+                       '[verifier.environment]\ndocker_image = "judge:1"\nmemory_mb = 2048\n', None),
+             "tests-image": ('[verifier]\nenvironment_mode = "separate"\n[environment]\n'
+                             'network_mode = "no-network"\n', "FROM ubuntu:24.04\n"),
+             "copy": ('[verifier]\nenvironment_mode = "separate"\nuser = "root"\n', None),
+             "shared": ('[agent]\nuser = 0\n', None)}
+    for name, (toml, tests_dockerfile) in cases.items():
+        task = write_task(tmp_path / name, toml, tests_dockerfile=tests_dockerfile)
+        r = subprocess.run([harbor_python, "-c", HARBOR_VERIFIER, str(task)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        theirs = json.loads(r.stdout.strip().splitlines()[-1])
+        for key in ("agent_user", "verifier_user"):   # Harbor's str | int is our exec(user=) string
+            theirs[key] = None if theirs[key] is None else str(theirs[key])
+        ours = load_task(str(task))
+        v = ours.verifier_environment
+        mine = {"agent_user": ours.agent_user, "verifier_user": ours.verifier_user,
+                "mode": "separate" if v else "shared", "image": v and v.docker_image,
+                "dockerfile": v and v.dockerfile, "bundled": v and v.bundled_tests,
+                "memory_mb": v and v.memory_mb, "network": v and v.network,
+                "artifacts": [[a.source, a.exclude] for a in ours.artifacts]}
+        assert mine == theirs, name
+
+
+async def test_the_bridge_opens_and_closes_a_separate_verifiers_sandbox(tmp_path):
+    """Without Harbor: `open_verifier` gives a fresh sandbox of its own token, exec carries `user`,
+    `close` or the episode's end destroys it; an episode with nothing to open says so."""
+    import aiohttp
+
+    from miles.envs.harbor_env import SandboxBridge
+    from miles.sandboxes import SandboxSpec, get_backend
+    from miles.sandboxes.hostfs import default_base_dir
+    from miles.sandboxes.pool import SandboxPool
+    base = tempfile.mkdtemp(prefix="miles-envs-test-", dir=os.path.dirname(default_base_dir()))
+    os.chmod(base, 0o711)
+    backend = get_backend("subprocess", base_dir=base)
+    pool, bridge = SandboxPool(backend, max_concurrent=1), SandboxBridge()
+    await bridge.start()
+    try:
+        async with pool.sandbox(SandboxSpec(ttl_s=120)) as agent_sb, aiohttp.ClientSession() as http:
+            async def call(url, op, **body):
+                async with http.post(f"{url}/{op}", json=body) as r:
+                    return r.status, await r.json()
+
+            url = bridge.register(agent_sb, lambda: pool.sandbox(SandboxSpec(ttl_s=120), own_slot=False))
+            for harbor_closes in (True, False):   # else the episode's end closes it
+                status, body = await call(url, "open_verifier")
+                assert status == 200 and body["url"] != url, body
+                status, out = await call(body["url"], "exec", command="id -u", user="root")
+                assert status == 200 and out["exit_code"] == 0, out
+                assert pool.stats.live == 2
+                if harbor_closes:
+                    assert (await call(body["url"], "close"))[0] == 200 and pool.stats.live == 1
+            status, out = await call(url, "exec", command="true", user="nobody")
+            assert status == 500 and "cannot run commands as user 'nobody'" in out["error"], out
+            await bridge.unregister(url)
+            assert pool.stats.live == 1 and (await call(body["url"], "exec", command="true"))[0] == 410
+            assert (await call(bridge.register(agent_sb), "open_verifier"))[0] == 409
+        assert pool.stats.live == 0 and pool.stats.destroyed == 3
+    finally:
+        await bridge.stop()
+        backend.spawner.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+SEPARATE_TEST = """#!/bin/bash
+# the agent's /logs/artifacts came over, its workdir did not: a fresh sandbox
+if grep -qi apple /logs/artifacts/answer.txt && [ ! -e /app/answer.txt ]; then r=1; else r=0; fi
+echo "{\\"reward\\": $r}" > /logs/verifier/reward.json
+"""
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_separate_verifier_runs_in_a_fresh_sandbox(harbor_env_module, guarded, tmp_path):
+    """Real Harbor trials of a task whose verifier is separate: Harbor's verifier environment is a
+    fresh sandbox of the episode's pool (the agent's workdir is not there, its artifacts are), and
+    a user our backend cannot be fails the trial naming it; nothing is left open."""
+    from miles.envs.agent import run_agent
+    from miles.envs.context import EpisodeStats, LazySandbox
+    from miles.sandboxes import get_backend
+    from miles.sandboxes.hostfs import default_base_dir
+    from miles.sandboxes.pool import SandboxPool
+    from miles.tito.client import SessionServerClient
+    engine, session_url, token = guarded
+    toml = ('[agent]\nuser = "%s"\n[verifier]\nenvironment_mode = "separate"\nuser = 0\n'
+            '[environment]\nallow_internet = false\n')
+    good = write_task(tmp_path / "good", toml % "root", SEPARATE_TEST)
+    bad = write_task(tmp_path / "bad", toml % "nobody", SEPARATE_TEST)
+    base = tempfile.mkdtemp(prefix="miles-envs-test-", dir=os.path.dirname(default_base_dir()))
+    os.chmod(base, 0o711)
+    backend = get_backend("subprocess", base_dir=base)
+    pool = SandboxPool(backend, max_concurrent=1)
+    try:
+        async with SessionServerClient(session_url, token=token) as client:
+            for path, replies in ((good, ["```bash\nmkdir -p /logs/artifacts && echo apple > "
+                                          "/logs/artifacts/answer.txt && echo apple > answer.txt\n```", "apple"]),
+                                  (bad, ["```bash\necho apple > answer.txt\n```", "apple"])):
+                engine.replies = replies
+                sandbox = LazySandbox(pool, task_spec(load_task(str(path))), {}, EpisodeStats())
+                try:
+                    run = await run_agent(harbor_env_module.agent, {"harbor_task": str(path), "sandbox": sandbox,
+                                          "limits": {"max_turns": 2}}, client, group_id="g", rollout_id=path.name)
+                finally:
+                    await sandbox.destroy()
+                if path is good:
+                    assert run.error == "" and run.reward == 1.0, run.error
+                    assert pool.stats.created == 2 and pool.stats.live == 0   # the agent's, the verifier's
+                else:
+                    assert "cannot run commands as user 'nobody'" in run.error, run.error
+            assert await client.list_sessions() == []
+        assert pool.stats.live == 0
+    finally:
+        backend.spawner.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest_asyncio.fixture(loop_scope="module")

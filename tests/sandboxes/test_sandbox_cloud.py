@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shlex
 import types
 
 import pytest
@@ -493,3 +494,21 @@ def test_missing_sdk_is_a_clear_error(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
         with pytest.raises(BackendUnavailableError, match=r"pip install 'miles\[cloud\]'"):
             get_backend(name)
+
+
+async def test_exec_as_a_user(engine):
+    """`exec(user=)`: E2B's own per-command user; Daytona (and Modal) through su, as Harbor's
+    environments for them do (a uid is resolved to its name inside: su takes names only)."""
+    sdk, calls = fake_e2b(engine)
+    async with await get_backend("e2b", sdk=sdk).create(SandboxSpec(image="t", ttl_s=60)) as sb:
+        await sb.exec("true", user="agent")
+    assert [kw["user"] for name, kw in calls if name == "run"][-1] == "agent"
+    sdk, calls = fake_daytona(engine)
+    backend = get_backend("daytona", sdk=sdk, api_key="k", api_url="http://127.0.0.1:1")
+    async with await backend.create(SandboxSpec(image="img", ttl_s=60)) as sb:
+        await sb.exec("echo hi", user="agent")
+        await sb.exec("echo hi", user="1000")
+    by_name, by_uid = [shlex.split(kw["command"])[4:] for name, kw in calls if name == "exec"][-2:]
+    assert by_name == ["su", "agent", "-s", "/bin/sh", "-c", "/bin/sh -c 'echo hi'"]
+    assert 'getent passwd "$1"' in by_uid[2]
+    assert by_uid[3:] == ["sh", "1000", "/bin/sh -c 'echo hi'"]

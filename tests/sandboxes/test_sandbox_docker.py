@@ -12,6 +12,7 @@ import sys
 import textwrap
 import uuid
 
+import msgspec
 import psutil
 import pytest
 
@@ -161,6 +162,17 @@ async def test_harbor_task_on_docker(docker):
         wrong = await run_verifier(sb, task)
     assert (right.status, right.reward) == ("ok", 1.0), right
     assert (wrong.status, wrong.reward) == ("ok", 0.0), wrong
+    # [verifier] user: test.sh runs as that user (docker exec --user), the set-up as the image's
+    as_nobody = msgspec.structs.replace(task, verifier_user="65534")
+    async with await docker.create(task_spec(task)) as sb:
+        assert (await sb.exec("id -u", user="65534")).stdout == "65534\n"
+        await sb.exec("read -r a b < input.txt && echo $((a + b)) > answer.txt")
+        # bash sources $BASH_ENV as test.sh starts: uid.txt is the uid test.sh ran as
+        await sb.upload("/tests-extra/whoami.sh", b"id -u > /logs/verifier/uid.txt\n")
+        result = await run_verifier(sb, msgspec.structs.replace(
+            as_nobody, verifier_env={**task.verifier_env, "BASH_ENV": "/tests-extra/whoami.sh"}))
+        assert (result.status, result.reward) == ("ok", 1.0), result
+        assert await sb.download("/logs/verifier/uid.txt") == b"65534\n"
     slow = load_task(os.path.join(TASKS, "slow-verifier"))
     async with await docker.create(task_spec(slow)) as sb:
         result = await run_verifier(sb, slow)

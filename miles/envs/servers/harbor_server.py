@@ -19,7 +19,14 @@ Design decisions:
 - The environment is `BridgeEnvironment` (Harbor's `BaseEnvironment`, by import path): every
   exec/upload/download goes over HTTP to the Miles adapter, which runs it in the episode's Miles
   sandbox. So Harbor tasks run in our sandboxes (any backend), and the sandbox's lifetime stays
-  the episode runner's; the bridge's start/stop create and destroy nothing.
+  the episode runner's; the agent environment's start/stop create and destroy nothing.
+- Each exec carries the user Harbor resolved for it (its explicit `user`, else the environment's
+  default user, which Harbor sets to `[agent] user` around the agent and to `[verifier] user`
+  around the verifier) to the sandbox's `exec(user=)`.
+- A separate verifier (`[verifier] environment_mode = "separate"` / `[verifier.environment]`):
+  Harbor makes a second environment for it, which asks the adapter for a fresh sandbox at start
+  (`open_verifier`, a new bridge URL) and closes it at stop. Harbor names the agent's environment
+  `<trial>__env` (harbor/trial/trial.py); any other of the trial's is a separate verifier's.
 - The default agent is `ChatAgent` (Harbor's `BaseAgent`): chat completions against the
   episode's session endpoint (`base_url`, every token through the TITO session server), each
   fenced ```bash block of a reply run in the environment and its output sent back, the last
@@ -70,6 +77,8 @@ class BridgeEnvironment(BaseEnvironment):
     def __init__(self, *args, bridge_url: str, **kwargs):
         self.bridge_url = bridge_url.rstrip("/")
         super().__init__(*args, **kwargs)
+        self.separate_verifier = not self.session_id.endswith("__env")
+        self._opened = False
 
     @staticmethod
     def type() -> str:
@@ -94,6 +103,9 @@ class BridgeEnvironment(BaseEnvironment):
                 return data
 
     async def start(self, force_build: bool) -> None:
+        if self.separate_verifier:
+            self.bridge_url = (await self._call("open_verifier", {"timeout_s": 1800}))["url"]
+            self._opened = True
         # what Harbor's container environments mount: its log directories
         paths = EnvironmentPaths.for_os(self.os)
         dirs = " ".join(shlex.quote(str(d)) for d in (paths.agent_dir, paths.verifier_dir, paths.artifacts_dir))
@@ -102,12 +114,15 @@ class BridgeEnvironment(BaseEnvironment):
             raise RuntimeError(f"sandbox bridge: could not create {dirs}: {r['stderr'][-500:]}")
 
     async def stop(self, delete: bool):
-        pass
+        if self._opened:   # only a separate verifier's sandbox is ours to close
+            self._opened = False
+            await self._call("close", {})
 
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
+        user = self._resolve_user(user)
         r = await self._call("exec", {"command": command, "cwd": cwd, "env": self._merge_env(env) or {},
-                                      "timeout_s": timeout_sec})
+                                      "timeout_s": timeout_sec, "user": None if user is None else str(user)})
         return ExecResult(stdout=r["stdout"], stderr=r["stderr"], return_code=r["exit_code"])
 
     async def upload_file(self, source_path: Path | str, target_path: str):
