@@ -58,7 +58,9 @@ async def verify(sample: Any, sandbox: Any = None) -> float:
         raise ValueError("the terminal verifier runs tests/test.sh in the episode's sandbox: set "
                          "[sandbox] backend (subprocess, bwrap or docker)")
     task = load_task(ensure_task(sample.metadata))
-    result = await run_verifier(await _real(sandbox), task)
+    # a task with a separate verifier gets a fresh sandbox riding on the episode's pool slot
+    result = await run_verifier(await _real(sandbox), task,
+                                open_sandbox=getattr(sandbox, "open_another", None))
     if result.status != "ok":
         raise RuntimeError(f"verifier of {task.name}: {result.status}: {result.detail} "
                            f"(output: {result.output[-300:]!r})")
@@ -92,7 +94,8 @@ async def check_task(sandbox: Any, metadata: dict[str, Any], who: str = "oracle"
     if who not in ("oracle", "null"):
         raise ValueError(f"who={who!r}: expected 'oracle' or 'null'")
     await (oracle if who == "oracle" else null)(sandbox, metadata)
-    result = await run_verifier(await _real(sandbox), load_task(ensure_task(metadata)))
+    result = await run_verifier(await _real(sandbox), load_task(ensure_task(metadata)),
+                                open_sandbox=getattr(sandbox, "open_another", None))
     if result.status != "ok":
         raise RuntimeError(f"verifier of {metadata.get('task_name')}: {result.status}: {result.detail}")
     return float(result.reward), result.output
