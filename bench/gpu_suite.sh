@@ -4,7 +4,7 @@
 #   bench/gpu_suite.sh tests engine train weights async_rl
 #   bench/gpu_suite.sh swe & bench/gpu_suite.sh terminal & bench/gpu_suite.sh tests; wait
 # Extra arguments per part: TESTS_ARGS (pytest selection), ENGINE_ARGS, TRAIN_ARGS, WEIGHTS_ARGS,
-# ASYNC_ARGS, R3_ARGS, OFFLOAD_ARGS, QUANT_ARGS, PLAN_ARGS; RECIPE_STEPS for swe/terminal/grpo (the
+# ASYNC_ARGS, R3_ARGS, R3L_ARGS (bench/r3_learning.py), OFFLOAD_ARGS, QUANT_ARGS, PLAN_ARGS; RECIPE_STEPS for swe/terminal/grpo (the
 # recipes/<part>_h200.toml runs) and RECIPE_ARGS_<PART> (more `--set k=v` for that recipe run, e.g.
 # RECIPE_ARGS_SWE="--set sft.steps=400"); T_<PART> overrides a part's time limit in seconds.
 # `bench/gpu_suite.sh pack` tars everything under $OUT but summary.txt into $OUT/all.tgz (the device
@@ -32,6 +32,7 @@ for part in "$@"; do
     r3)       timeout $(lim 240) python3 bench/r3.py --device cuda ${R3_ARGS:-} > "$OUT/r3.log" 2>&1 ;;
     offload)  timeout $(lim 240) python3 bench/offload.py ${OFFLOAD_ARGS:-} > "$OUT/offload.log" 2>&1 ;;
     quant)    timeout $(lim 120) python3 bench/quant.py --device cuda ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1 ;;
+    r3_learning) timeout $(lim 560) python3 bench/r3_learning.py --log-dir "$OUT/r3_learning" ${R3L_ARGS:-} > "$OUT/r3_learning.log" 2>&1 ;;
     plan)     timeout $(lim 400) python3 bench/plan_calibrate.py --device cuda ${PLAN_ARGS:-} > "$OUT/plan.log" 2>&1 ;;
     async_rl) timeout $(lim 540) python3 bench/async_rl.py --device cuda --engine-device cuda:1 --steps ${ASYNC_STEPS:-10} --timeout-s 200 --log-dir "$OUT/async_logs" ${ASYNC_ARGS:---model small --max-staleness 2,3 --set train.compile=false} > "$OUT/async_rl.log" 2>&1 ;;
     swe|terminal|grpo)

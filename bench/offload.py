@@ -107,11 +107,12 @@ def disk_limits(root: Path, total: int, chunk: int) -> tuple[float, float]:
 
 
 def run_mode(name: str, mode: str, args, device: torch.device, work: Path) -> dict:
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    # drawn on the device: a 7B's weights and gradients drawn on the host took minutes per mode
+    gen = torch.Generator(device=device).manual_seed(0)
     params = []
     for shape in shapes(name):
-        p = torch.nn.Parameter(torch.randn(*shape, generator=gen).to(device) * 0.02)
-        p.grad = torch.randn(*shape, generator=gen).to(device) * 1e-3
+        p = torch.nn.Parameter(torch.randn(*shape, generator=gen, device=device) * 0.02)
+        p.grad = torch.randn(*shape, generator=gen, device=device) * 1e-3
         params.append(p)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

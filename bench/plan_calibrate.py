@@ -74,7 +74,9 @@ def recipe_sets(mode: str, staleness: int, groups: int, median: int, engines: in
     gpu = {} if device == "cpu" else {
         "engine.device": json.dumps(engine_device), "engine.dtype": json.dumps("bfloat16"),
         "train.param_dtype": json.dumps("bfloat16"),
-        "model.tiny_overrides": "{%s}" % ", ".join(f"{k} = {v}" for k, v in MODELS["small"].items())}
+        "model.tiny_overrides": "{%s}" % ", ".join(f"{k} = {v}" for k, v in MODELS["small"].items()),
+        # one GPU for both: NCCL refuses two ranks on one device, so weights go by CUDA IPC
+        **({"weights.transport": json.dumps("colocated")} if engine_device == "cuda:0" else {})}
     return {**_cpu_sets(mode, staleness, groups, median, engines, steps, out), **gpu}
 
 

@@ -31,8 +31,9 @@ Prints one JSON line per model:
   - resume) / hbm_copy_s (target <= 1.3): by default the trainer writes into the engine's own
   weights (weights.colocated_direct); `--colocated-buckets` times the flat-bucket path instead
   (the engine copies each bucket out: two copies per byte). `--transport disk_delta` changes every weight a little
-  before each publish, so each delta is a real one. `--copy-streams 1,2,4` times the direct writes
-  spread over that many CUDA streams (weights.colocated_copy_streams), one line each.
+  before each publish, so each delta is a real one. `--batch-below-kb 1024,0` times the direct writes
+  with tensors below that size in one _foreach_copy_ per bucket (weights.colocated_batch_below_bytes;
+  0: a copy_ each), one line each.
 - Output as it is measured: per model and variant, a `"part": "publish"` line as soon as its
   rounds are timed, then the whole line once the check and the delta are done. `--budget-s`
   (default 80 on GPUs; 0: none) bounds the delta's encode (the slow part on a 7B: every byte to the host,
@@ -50,7 +51,7 @@ Prints one JSON line per model:
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
        [--inflight 3] [--direct-kb 8192] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
        [--no-check] [--no-delta] [--transport nccl|colocated|disk|disk_delta] [--colocated-buckets]
-       [--copy-streams 1,2,4]
+       [--batch-below-kb 1024,0]
        [--budget-s 80]
 """
 
@@ -336,11 +337,12 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
             raw = None
         elif kind == "colocated":  # the reference: the same bytes copied once at HBM speed
             raw_s = [device_copy_s(nbytes, trainer_device) for _ in range(args.rounds + 1)][1:]
-        streams = [int(x) for x in args.copy_streams.split(",")] if kind == "colocated" else [1]
-        for (vb, vi, vd), vs in itertools.product(variants, streams):
+        batch_below = [int(x) << 10 for x in args.batch_below_kb.split(",")] if kind == "colocated" \
+            else [cfg.colocated_batch_below_bytes]
+        for (vb, vi, vd), vs in itertools.product(variants, batch_below):
             # the transport reads these at every begin()
             cfg.bucket_bytes, cfg.inflight_buckets, cfg.direct_min_bytes = vb, vi, vd
-            cfg.colocated_copy_streams = vs
+            cfg.colocated_batch_below_bytes = vs
             await publisher.publish(version, run_update_for(model, transport, version, vb))  # warm-up
             version += 1
             progress(f"{name}: warm-up publish done; {args.rounds} timed rounds")
@@ -374,7 +376,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 "bucket_bytes": vb, "inflight_buckets": vi, "buckets": math.ceil(nbytes / vb),
                 "direct_min_bytes": vd, "direct_tensors": direct, "publish_s_all": pub_s,
                 "colocated_direct": cfg.colocated_direct if kind == "colocated" else None,
-                "copy_streams": vs if kind == "colocated" else None,
+                "batch_below_bytes": vs if kind == "colocated" else None,
                 "stall_s_all": [m["weights/stall_s"] for m in parts],
                 "ordered_calls": getattr(transport, "_ordered", None), "rounds": args.rounds,
                 "checked_tensors": 0, **(timeline_summary(transport) if kind == "nccl" else {}),
@@ -434,8 +436,9 @@ def main() -> None:
     p.add_argument("--colocated-buckets", action="store_true",
                    help="colocated: flat buckets the engine copies out (weights.colocated_direct = "
                         "false) instead of writing into the engine's weights")
-    p.add_argument("--copy-streams", default="1",
-                   help="colocated: weights.colocated_copy_streams values, each timed (e.g. 1,2,4)")
+    p.add_argument("--batch-below-kb", default="1024",
+                   help="colocated: weights.colocated_batch_below_bytes values in KiB, each timed "
+                        "(e.g. 1024,0: small tensors in one _foreach_copy_, or every tensor a copy_)")
     p.add_argument("--trainer-device", default=None)
     p.add_argument("--engine-device", default=None)
     p.add_argument("--delta-threads", type=int, default=min(16, os.cpu_count() or 2))

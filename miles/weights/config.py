@@ -69,8 +69,9 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #   of their own than their copies do (H200, 7B: 1 MiB 0.061 s, 8 MiB 0.054 s, flat 0.062 s)
     colocated_direct: bool = True        # colocated: write into the engine's own weights (CUDA IPC
     #   views it shares once), one device copy per byte; false: flat buckets the engine copies out
-    colocated_copy_streams: int = 1      # colocated direct writes: CUDA streams the copies spread
-    #   over (largest first, to the least-loaded stream), so small copies overlap large ones
+    colocated_batch_below_bytes: int = 1 << 20  # colocated direct writes: tensors smaller than this
+    #   (norms, biases) go in one _foreach_copy_ per bucket, the rest a copy_ each (0: all a copy_
+    #   each); the trainer's CPU issuing 339 copies one by one was the 7B publish's bound
 
     # --- disk / disk_delta ---
     disk_dir: str = ""                   # where versions are written (shared with the engines)
@@ -92,7 +93,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _count("queue_depth", self.queue_depth, low=1)
         _count("inflight_buckets", self.inflight_buckets, low=1)
         _count("direct_min_bytes", self.direct_min_bytes, low=0)
-        _count("colocated_copy_streams", self.colocated_copy_streams, low=1)
+        _count("colocated_batch_below_bytes", self.colocated_batch_below_bytes, low=0)
         _count("keep_versions", self.keep_versions, low=1)
         _count("delta_chunk_bytes", self.delta_chunk_bytes, low=1)
         _count("delta_threads", self.delta_threads, low=1)

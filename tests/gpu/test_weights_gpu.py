@@ -58,9 +58,9 @@ def nudge(model, scale: float = 1e-2) -> None:
             p.add_(torch.randn_like(p) * scale)
 
 
-@pytest.mark.parametrize("direct,streams", [(True, 1), (True, 3), (False, 1)],
-                         ids=["direct", "direct_3_streams", "buckets"])
-async def test_colocated_cuda_ipc_from_the_fsdp_backend(tmp_path, direct, streams):
+@pytest.mark.parametrize("direct,batch_below", [(True, 1 << 20), (True, 0), (False, 1 << 20)],
+                         ids=["direct", "direct_copy_each", "buckets"])
+async def test_colocated_cuda_ipc_from_the_fsdp_backend(tmp_path, direct, batch_below):
     path = build_tiny_model(**MODEL)
     engine = await launch_embedded_engine(path, extra_args=["--device", "cuda:0", *ENGINE],
                                           log_path=tmp_path / "engine.log")
@@ -70,7 +70,7 @@ async def test_colocated_cuda_ipc_from_the_fsdp_backend(tmp_path, direct, stream
                      LossConfig(loss_type="sft", loss_reduction="token"))
         await asyncio.to_thread(backend.train, make_samples(groups=2, per_group=2, seed=7))
         cfg = WeightsConfig(transport="colocated", check_weights=True, bucket_bytes=8 << 20,
-                            colocated_direct=direct, colocated_copy_streams=streams)
+                            colocated_direct=direct, colocated_batch_below_bytes=batch_below)
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
