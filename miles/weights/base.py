@@ -65,6 +65,10 @@ class SendGate:
         self.error = GateClosed(reason)
         self._event.set()
 
+    def is_set(self) -> bool:
+        """Opened or closed: `wait` would not block."""
+        return self._event.is_set()
+
     def wait(self, timeout_s: float) -> None:
         if not self._event.wait(timeout_s):
             raise TimeoutError(f"the engines were not paused within {timeout_s} s")

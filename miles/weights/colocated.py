@@ -16,8 +16,10 @@ Design decisions:
   the engines are paused: one device copy per byte, no flat bucket, no engine-side copy. One
   `miles_cuda_ipc_direct` call per publish, posted as the writes start, checks the engine
   instance's token, flushes its prefix cache and sets the version (`sets_version`), so it costs
-  the stall nothing. Whatever has no view (FP8-held linears, quantized formats) still goes by flat
-  buckets. Each publish first checks the engine's token (overlapped with the pause), and maps a
+  the stall nothing. Buckets handed over while the engines are still pausing are matched and held
+  (up to queue_depth buckets' bytes), not waited on: the trainer gathers the next ones meanwhile,
+  and the writes start at the gate. Whatever has no view (FP8-held linears, quantized formats)
+  still goes by flat buckets. Each publish first checks the engine's token (overlapped with the pause), and maps a
   restarted engine's storages again.
 - Only a rank the publisher gates writes directly (the one that pauses the engines): another rank
   has no signal that its engine is paused, so it keeps flat buckets, which the engine applies
@@ -62,6 +64,8 @@ class ColocatedTransport(WeightTransport):
         self._token = ""                             # the engine instance those views belong to
         self._direct_call = None                     # this publish's miles_cuda_ipc_direct call
         self._direct_written = 0
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # matched, not yet written
+        self._pending_bytes = 0
         self._t0, self.phases = 0.0, {}
 
     @property
@@ -121,6 +125,7 @@ class ColocatedTransport(WeightTransport):
         self._version, self._error = version, None
         self._stats = TransferStats()
         self._direct_call, self._direct_written = None, 0
+        self._pending, self._pending_bytes = [], 0
         self._t0, self.phases = time.perf_counter(), {}  # seconds since begin (bench/weights.py)
         if self._token:  # overlapped with the pause: the publisher pauses while this runs
             self._map_targets()
@@ -149,14 +154,28 @@ class ColocatedTransport(WeightTransport):
                     else:
                         rest.append((name, t))
                 if direct:
-                    self._start_direct()
-                    self._copy(direct)
-                    self._direct_written += len(direct)
-                    self.phases["last_issue"] = time.perf_counter() - self._t0
+                    self._pending += direct
+                    self._pending_bytes += sum(t.nbytes for _, t in direct)
+                    # while the engines are still pausing, gather the next buckets (up to
+                    # queue_depth of them): that work then costs the stall nothing
+                    if self._direct_call is not None or self.send_gate is None or \
+                            self.send_gate.is_set() or \
+                            self._pending_bytes >= self.cfg.queue_depth * self.cfg.bucket_bytes:
+                        self._write_pending()
             if rest:
                 self._coalescer.add(rest)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
+
+    def _write_pending(self) -> None:
+        """Wait for the gate (once), then write what the buckets so far matched."""
+        if not self._pending:
+            return
+        self._start_direct()
+        self._copy(self._pending)
+        self._direct_written += len(self._pending)
+        self._pending, self._pending_bytes = [], 0
+        self.phases["last_issue"] = time.perf_counter() - self._t0
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A copy_ per tensor, except those below `colocated_batch_below_bytes`, which go in one
@@ -194,6 +213,7 @@ class ColocatedTransport(WeightTransport):
         try:
             if self._error is None:
                 self._coalescer.flush()
+                self._write_pending()
                 if self._token:
                     self._start_direct()  # sets the version even when nothing went direct
                 t = time.perf_counter()  # the engines copying the last buckets out of the handles
@@ -212,6 +232,7 @@ class ColocatedTransport(WeightTransport):
             self._fail(e)
         finally:
             self._coalescer = None
+            self._pending, self._pending_bytes = [], 0
         if self._error is not None:
             raise self._error
 
@@ -223,6 +244,7 @@ class ColocatedTransport(WeightTransport):
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
+        self._pending, self._pending_bytes = [], 0   # nothing more is written this version
         if self._pipeline is not None:
             self._pipeline.abort()
 
