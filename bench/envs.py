@@ -29,7 +29,7 @@ from pathlib import Path
 from miles.hostinfo import machine
 
 RUNS = Path(__file__).resolve().parent / "env_runs"
-INTEGRATIONS = ("verifiers", "openenv", "hud", "harbor", "nemo_gym")
+INTEGRATIONS = ("verifiers", "openenv", "hud", "hud_openai_agent", "harbor", "nemo_gym")
 
 
 def load_runner(name: str):

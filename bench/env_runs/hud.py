@@ -1,6 +1,7 @@
 """HUD rollouts through the real stack: the tiny qwen3 on an embedded engine, the session server
 (with a token, as in the fleet), HUD's LocalRuntime serving the digits env template and Miles'
-agent driving HUD's run, in this process.
+agent driving HUD's run, in this process (`hud_openai_agent.py`: the same with HUD's own
+OpenAIChatAgent, `metadata.hud.agent = "hud"`, the baseline for the agent's cost).
 
     python bench/envs.py --only hud --episodes 8
 
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 
-async def _run(episodes: int) -> dict:
+async def _run(episodes: int, agent: str = "miles") -> dict:
     from aiohttp import web
 
     from miles.engines.embedded import launch_embedded_engine
@@ -38,7 +39,7 @@ async def _run(episodes: int) -> dict:
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    rows = hud_env.example_rows(episodes, seed=0)
+    rows = hud_env.example_rows(episodes, seed=0, agent=agent)
     out = {"episodes": episodes, "env_s": 0.0, "llm_s": 0.0, "failed": 0, "reward_sum": 0.0}
     try:
         hud_env.load_task(rows[0]["metadata"]["hud"])   # importing HUD is not an episode's cost
@@ -67,5 +68,5 @@ def llm_time(run) -> float:
     return float(stats.get("engine_s", 0.0)) + float(stats.get("server_s", 0.0))
 
 
-def run(episodes: int) -> dict:
-    return asyncio.run(_run(episodes))
+def run(episodes: int, agent: str = "miles") -> dict:
+    return asyncio.run(_run(episodes, agent))
