@@ -203,3 +203,20 @@ def test_lengths_fitted_from_a_runs_metrics(tmp_path):
     path.write_text(json.dumps({"kind": "train", "rollout/response_len": 3.0}) + "\n")
     with pytest.raises(PlanError, match=r"--lengths-from = .*: expected at least 2 training steps"):
         lengths_from_metrics(str(path), cap=6)
+
+
+def test_calibration_fits_the_trainers_fixed_cost_and_its_per_token_rate():
+    """bench/plan_calibrate.py's trainer figure: a step proportional to its tokens (a CPU) has no
+    fixed term; a flat one (a small model on a GPU) has no per-token term; a mix is split."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_calibrate", ROOT / "bench" / "plan_calibrate.py")
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    tokens = [400, 900, 1500, 2200, 4100]
+    rows = lambda f: [{"train/tokens": t, "train/step_s": f(t)} for t in tokens]  # noqa: E731
+    fixed, per_tok = cal.train_fit(rows(lambda t: t / 9000))
+    assert fixed == pytest.approx(0.0, abs=1e-9) and 1 / per_tok == pytest.approx(9000)
+    fixed, per_tok = cal.train_fit(rows(lambda t: 0.24 - 1e-6 * (t % 7)))
+    assert per_tok == 0.0 and fixed == pytest.approx(0.24, abs=1e-4)
+    fixed, per_tok = cal.train_fit(rows(lambda t: 0.1 + t / 20000))
+    assert fixed == pytest.approx(0.1) and 1 / per_tok == pytest.approx(20000)
