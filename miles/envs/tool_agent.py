@@ -17,6 +17,9 @@ Design decisions:
   blocks into tool calls): for a model that learned its tools in training, the prompt shrinks from
   ~500 to ~25 tokens with the tiny tokenizer.
 - `task["keep_transcript"]` returns the messages of the episode (tests and debugging).
+- `task["sandbox_user"]` runs the `bash` tool's commands as that user of the sandbox (a Harbor
+  task's `[agent] user`; `Sandbox.exec(user=)`: a backend that cannot switch users answers the
+  call with its error). Files are read and written as the sandbox's default user.
 - The assistant message goes back exactly as the server returned it (content, tool calls and their
   ids), so the server finds the history it recorded and appends only the new tool results.
 - `submit(answer)` writes the answer to `ANSWER_PATH` in the sandbox (relative to its workdir:
@@ -117,8 +120,9 @@ def _first_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
 class ToolRunner:
     """Runs one tool call on the episode's sandbox; returns (text for the model, is_error)."""
 
-    def __init__(self, sandbox: Any, offered: set[str], timeout_s: float, max_chars: int):
-        self.sandbox, self.offered = sandbox, offered
+    def __init__(self, sandbox: Any, offered: set[str], timeout_s: float, max_chars: int,
+                 user: str | None = None):
+        self.sandbox, self.offered, self.user = sandbox, offered, user
         self.timeout_s, self.max_chars = timeout_s, max_chars
         self.answer: str | None = None
 
@@ -145,7 +149,7 @@ class ToolRunner:
             return f"error: {name}: {type(e).__name__}: {e}", True
 
     async def _bash(self, command: str) -> tuple[str, bool]:
-        r = await self.sandbox.exec(command, timeout_s=self.timeout_s)
+        r = await self.sandbox.exec(command, timeout_s=self.timeout_s, user=self.user)
         out = r.stdout + (("\n" if r.stdout and r.stderr else "") + r.stderr if r.stderr else "")
         if r.timed_out:
             return _cap(out + f"\n[error: timed out after {self.timeout_s} s]", self.max_chars), True
@@ -173,7 +177,8 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
     tools = tool_specs(task.get("tools"))
     runner = ToolRunner(task.get("sandbox"), {t["function"]["name"] for t in tools},
                         float(limits["tool_timeout_s"]),
-                        int(task.get("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS)))
+                        int(task.get("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS)),
+                        task.get("sandbox_user"))
     out = await react(base_url, task, runner, tools, declare=bool(task.get("declare_tools", True)),
                       finished=lambda: runner.answer is not None)
     out["answer"] = runner.answer

@@ -129,6 +129,32 @@ async def test_the_shell_tool_times_out_and_caps_output(served, rows, pool):
     assert reward == 1.0                                     # a timed-out command does not end the episode
 
 
+@pytest.mark.parametrize("who", ["current", "nobody"])
+async def test_the_agents_commands_run_as_the_tasks_agent_user(served, rows, pool, tmp_path, who):
+    """`[agent] user` in task.toml reaches the bash tool's exec (`Sandbox.exec(user=)`): the
+    subprocess backend runs the current user's commands, and answers another user's with an error
+    naming the user and the backend (the episode goes on; nothing ran, so the reward is 0)."""
+    from miles.sandboxes.local import current_user
+    row = rows[0]
+    task_dir = tmp_path / "task"
+    shutil.copytree(row["metadata"]["task_dir"], task_dir)
+    user = current_user()[0] if who == "current" else "nobody"
+    toml = (task_dir / "task.toml").read_text()
+    assert "\n[agent]\n" in toml
+    (task_dir / "task.toml").write_text(toml.replace("\n[agent]\n", f'\n[agent]\nuser = "{user}"\n'))
+    row = {**row, "metadata": {**row["metadata"], "task_dir": str(task_dir)}}
+    assert term.agent_user(row["metadata"]) == user
+    command = oracle_command(task_dir)
+    result, _, reward = await episode(url=served[1], pool=pool, row=row, engine=served[0],
+                                      replies=[call("bash", command=command), call("submit", answer="done")])
+    tools = [m["content"] for m in result["messages"] if m["role"] == "tool"]
+    if who == "current":
+        assert reward == 1.0 and result["metrics"]["tool_errors"] == 0.0, tools
+    else:
+        assert reward == 0.0 and result["metrics"]["tool_errors"] == 1.0
+        assert "cannot run commands as user 'nobody'" in tools[0] and "subprocess" in tools[0], tools
+
+
 async def test_verifier_needs_a_sandbox_and_a_terminal_row():
     with pytest.raises(ValueError, match=r"\[sandbox\] backend"):
         await term.verify(types.SimpleNamespace(metadata={}), None)

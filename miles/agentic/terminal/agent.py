@@ -11,6 +11,8 @@ Design decisions:
   `agent.tool_timeout_s` is killed inside the sandbox and answered with the timeout) and `submit`
   (ends the episode). One ReAct loop for every agentic recipe: what differs is the task's tools,
   system prompt and output cap, which the rows carry and `agent` only defaults.
+- The agent's and the oracle's commands run as the task's `[agent] user` (None: the sandbox's
+  default), the verifier's as `[verifier] user`, as Harbor runs them.
 - The verifier is Harbor's (`miles.sandboxes.harbor.run_verifier`): after the agent is done it
   wipes /tests and /logs/verifier, uploads the task's tests/, runs tests/test.sh and reads
   reward.txt. The agent never sees the tests. A verifier that timed out or wrote no reward raises
@@ -41,8 +43,16 @@ MAX_OUTPUT_CHARS = 4096
 
 async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
     """One terminal episode (the `rollout.agent` contract)."""
-    task = {"tools": TOOLS, "system": SYSTEM, "max_tool_output_chars": MAX_OUTPUT_CHARS, **task}
+    task = {"tools": TOOLS, "system": SYSTEM, "max_tool_output_chars": MAX_OUTPUT_CHARS,
+            "sandbox_user": agent_user(task), **task}
     return await tool_agent.agent(base_url, task)
+
+
+def agent_user(metadata: dict[str, Any]) -> str | None:
+    """The task's `[agent] user` (Harbor's task.toml), whom the agent's commands run as; None for
+    a row that names no task directory."""
+    from miles.sandboxes.harbor import load_task
+    return load_task(ensure_task(metadata)).agent_user if "task_dir" in metadata else None
 
 
 async def _real(sandbox: Any) -> Any:
@@ -67,13 +77,13 @@ async def verify(sample: Any, sandbox: Any = None) -> float:
     return float(result.reward)
 
 
-def runner(sandbox: Any, timeout_s: float = 30.0) -> tool_agent.ToolRunner:
-    return tool_agent.ToolRunner(sandbox, set(TOOLS), timeout_s, MAX_OUTPUT_CHARS)
+def runner(sandbox: Any, timeout_s: float = 30.0, user: str | None = None) -> tool_agent.ToolRunner:
+    return tool_agent.ToolRunner(sandbox, set(TOOLS), timeout_s, MAX_OUTPUT_CHARS, user)
 
 
 async def oracle(sandbox: Any, metadata: dict[str, Any], timeout_s: float = 30.0) -> str:
     """The oracle: solve.sh's commands through the bash tool, then submit. Returns bash's answer."""
-    tools = runner(sandbox, timeout_s)
+    tools = runner(sandbox, timeout_s, agent_user(metadata))
     text, is_error = await tools.run("bash", {"command": oracle_command(ensure_task(metadata))})
     if is_error:
         raise RuntimeError(f"oracle of {metadata.get('task_name')}: bash failed: {text}")
