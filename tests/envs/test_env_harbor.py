@@ -26,12 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import pytest_asyncio
 
 from miles.sandboxes.harbor import load_task, task_spec
+from tests.envs.token_checks import model_turns
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -306,39 +306,15 @@ def harbor_servers() -> list[psutil.Process]:
 
 async def check_tokens(sample, tokenizer) -> None:
     """The sample's non-model tokens are the qwen3 template's rendering of the trial's messages, the
-    model's turns are exactly its loss-masked tokens."""
+    model's turns are exactly its loss-masked tokens (a sample ends at its last model turn: what
+    the trial sent after it is another sample's)."""
     from miles.tito.families import get_family
-    from miles.tito.template import render_template
+    from miles.tito.messages import parse_openai_messages
     qwen3 = get_family("qwen3")
     messages = sample.metadata["agent"]["messages"]
-    prompt_len = len(sample.tokens) - sample.response_length
-    mask = np.concatenate([np.zeros(prompt_len, bool), sample.loss_mask.astype(bool)])
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    turns = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
-    msgs, marks = [], []
-    for m in messages:
-        if m["role"] == "assistant":
-            marks.append(f"\x00turn{len(marks)}\x00")
-            msgs.append({"role": "assistant", "content": marks[-1]})
-        else:
-            msgs.append(m)
-    # a sample ends at its last model turn: what the trial sent after it is another sample's
-    last = [i for i, m in enumerate(msgs) if m["role"] == "assistant"][len(turns) - 1]
-    marks, msgs = marks[:len(turns)], msgs[:last + 1]
-    text = render_template(qwen3.chat_template, msgs, None, False)
-    tokens, pos = sample.tokens.tolist(), 0
-    for k, (mark, (a, b)) in enumerate(zip(marks, turns)):
-        piece, text = text.split(mark)
-        if k and tokenizer.id_to_token(tokens[pos - 1]) == qwen3.end_of_turn:
-            piece = piece[len(qwen3.end_of_turn):]
-        assert tokens[pos:a] == tokenizer.encode(piece), (k, tokenizer.decode(tokens[pos:a]), piece)
-        ids = tokens[a:b]
-        if tokenizer.id_to_token(ids[-1]) in qwen3.stop_tokens:
-            ids = ids[:-1]
-        assert qwen3.parse_reply(tokenizer.decode(ids)).content.strip() == \
-            [m for m in messages if m["role"] == "assistant"][k]["content"].strip()
-        pos = b
-    assert pos == len(tokens)
+    turns = model_turns(sample, tokenizer, parse_openai_messages(messages))
+    replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+    assert [qwen3.parse_reply(tokenizer.decode(ids)).content.strip() for ids in turns] == replies[:len(turns)]
 
 
 BROKEN_TASKS = """
