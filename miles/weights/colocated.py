@@ -179,7 +179,7 @@ class ColocatedTransport(WeightTransport):
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A copy_ per tensor, except those below `colocated_batch_below_bytes`, which go in one
-        _foreach_copy_ (one launch for a bucket's norms and biases instead of one each). All on the
+        _foreach_copy_ (one launch for the held buckets' norms and biases instead of one each). All on the
         current stream, so a source tensor is not freed before its copy is done. (A _foreach_copy_
         of whole buckets made the 7B publish 18 ms instead of 12.6: slow on large tensors.)"""
         below = self.cfg.colocated_batch_below_bytes

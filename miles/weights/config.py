@@ -70,7 +70,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     colocated_direct: bool = True        # colocated: write into the engine's own weights (CUDA IPC
     #   views it shares once), one device copy per byte; false: flat buckets the engine copies out
     colocated_batch_below_bytes: int = 1 << 20  # colocated direct writes: tensors smaller than this
-    #   (norms, biases) go in one _foreach_copy_ per bucket, the rest a copy_ each (0: all a copy_
+    #   (norms, biases) go in one _foreach_copy_ per write, the rest a copy_ each (0: all a copy_
     #   each); the trainer's CPU issuing 339 copies one by one was the 7B publish's bound
 
     # --- disk / disk_delta ---
