@@ -195,9 +195,9 @@ def _miles_agent_class() -> type:
                 for cap in (manifest.bindings if manifest is not None else []):
                     if cap.protocol != MCPClient.protocol:
                         continue
-                    client = await run.client.open(cap.name)
+                    client, listed = await _open_tools(run, cap, float(limits["tool_timeout_s"]))
                     opened.append(client)
-                    for tool in await client.list_tools():
+                    for tool in listed:
                         if tool.name in clients:
                             raise HudError(f"HUD env tool {tool.name!r} is published by two MCP capabilities")
                         clients[tool.name] = client
@@ -223,6 +223,23 @@ def _miles_agent_class() -> type:
             run.trace.status = "completed"
 
     return MilesAgent
+
+
+async def _open_tools(run: Any, cap: Any, timeout_s: float) -> tuple[Any, list[Any]]:
+    """The MCP capability opened through the run's client and its tools listed, within
+    `timeout_s` (the recipe's agent.tool_timeout_s), or a HudError naming the capability."""
+    async def open_and_list():
+        client = await run.client.open(cap.name)
+        try:
+            return client, await client.list_tools()
+        except BaseException:
+            await client.close()
+            raise
+    try:
+        return await asyncio.wait_for(open_and_list(), timeout_s)
+    except asyncio.TimeoutError:
+        raise HudError(f"HUD env capability {cap.name!r} ({cap.url}) did not open and list its "
+                       f"tools within {timeout_s} s (agent.tool_timeout_s)") from None
 
 
 def _record(run: Any, messages: list[dict[str, Any]], calls: list[tuple[str, Any, str, bool]]) -> None:

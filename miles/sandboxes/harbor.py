@@ -69,14 +69,11 @@ class Artifact(msgspec.Struct, frozen=True):
     exclude: list[str] = []
 
 
-class VerifierEnvironment(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a separate verifier runs, resolved as Harbor does: [verifier.environment] (else a
-    copy of [environment]) for resources, network, workdir and env; the image from
-    [verifier.environment].docker_image, else tests/Dockerfile, else the task's own.
-    `bundled_tests`: the image owns /tests, so nothing is uploaded there."""
+class TaskEnvironment(msgspec.Struct, frozen=True, kw_only=True):
+    """What an [environment] table asks of a sandbox: the image (or Dockerfile), workdir,
+    resources, network and env."""
     docker_image: str | None = None
     dockerfile: str | None = None
-    bundled_tests: bool = False
     workdir: str | None = None
     cpus: float | None = None
     memory_mb: int | None = None
@@ -85,21 +82,22 @@ class VerifierEnvironment(msgspec.Struct, frozen=True, kw_only=True):
     env: dict[str, str] = {}
 
 
-class HarborTask(msgspec.Struct, frozen=True, kw_only=True):
+class VerifierEnvironment(TaskEnvironment, frozen=True, kw_only=True):
+    """Where a separate verifier runs, resolved as Harbor does: [verifier.environment] (else a
+    copy of [environment]) for resources, network, workdir and env; the image from
+    [verifier.environment].docker_image, else tests/Dockerfile, else the task's own.
+    `bundled_tests`: the image owns /tests, so nothing is uploaded there."""
+    bundled_tests: bool = False
+
+
+class HarborTask(TaskEnvironment, frozen=True, kw_only=True):
+    """A task directory as read: its own environment's fields, and the rest of task.toml."""
     name: str
     path: str
     instruction: str
     agent_timeout_s: float | None = None
     verifier_timeout_s: float = 600.0
     build_timeout_s: float = 600.0
-    docker_image: str | None = None
-    dockerfile: str | None = None
-    workdir: str | None = None
-    cpus: float | None = None
-    memory_mb: int | None = None
-    storage_mb: int | None = None
-    network: bool = True
-    env: dict[str, str] = {}
     verifier_env: dict[str, str] = {}
     metadata: dict[str, Any] = {}
     agent_user: str | None = None

@@ -265,3 +265,20 @@ def test_miles_run_of_the_hud_recipe(tmp_path):
     closing = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
                if "sessions of this run open" in line]
     assert closing and all("open: 0" in line for line in closing), closing  # listed, and none open
+
+
+@aio
+async def test_an_mcp_capability_that_never_answers_fails_within_the_tool_timeout():
+    """Opening the env's tools has its own deadline, naming the capability, not only HUD's
+    rollout timeout."""
+    import types
+
+    async def hang(name):
+        await asyncio.sleep(60)
+    run = types.SimpleNamespace(client=types.SimpleNamespace(open=hang))
+    cap = types.SimpleNamespace(name="tools", url="http://127.0.0.1:9/mcp")
+    t0 = time.monotonic()
+    with pytest.raises(hud_env.HudError, match=r"capability 'tools' \(http://127.0.0.1:9/mcp\) did not "
+                                               r"open and list its tools within 0.2 s"):
+        await hud_env._open_tools(run, cap, 0.2)
+    assert time.monotonic() - t0 < 5
