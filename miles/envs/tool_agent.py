@@ -19,7 +19,9 @@ Design decisions:
 - `task["keep_transcript"]` returns the messages of the episode (tests and debugging).
 - `task["sandbox_user"]` runs the `bash` tool's commands as that user of the sandbox (a Harbor
   task's `[agent] user`; `Sandbox.exec(user=)`: a backend that cannot switch users answers the
-  call with its error). Files are read and written as the sandbox's default user.
+  call with its error). `read_file` and `write_file` then run as that user too (`cat` and a
+  base64 pipe through the same `exec`), so the user's file permissions hold for every tool; without
+  a user they are the sandbox's own download / upload.
 - The assistant message goes back exactly as the server returned it (content, tool calls and their
   ids), so the server finds the history it recorded and appends only the new tool results.
 - `submit(answer)` writes the answer to `ANSWER_PATH` in the sandbox (relative to its workdir:
@@ -52,6 +54,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import Callable
@@ -158,12 +161,25 @@ class ToolRunner:
         return _cap(out, self.max_chars), False
 
     async def _read_file(self, path: str) -> tuple[str, bool]:
-        data = await self.sandbox.download(path)
-        return _cap(data.decode("utf-8", errors="replace"), self.max_chars), False
+        if self.user is None:
+            data = await self.sandbox.download(path)
+            return _cap(data.decode("utf-8", errors="replace"), self.max_chars), False
+        r = await self.sandbox.exec(["cat", "--", path], timeout_s=self.timeout_s, user=self.user)
+        if r.exit_code != 0 or r.timed_out:
+            return f"error: read_file {path} as {self.user}: {r.stderr.strip() or 'timed out'}", True
+        return _cap(r.stdout, self.max_chars), False
 
     async def _write_file(self, path: str, content: str) -> tuple[str, bool]:
-        await self.sandbox.upload(path, content.encode())
-        return f"wrote {len(content.encode())} bytes to {path}", False
+        data = content.encode()
+        if self.user is None:
+            await self.sandbox.upload(path, data)
+        else:  # the content travels base64 in argv, so no byte of it is read as shell
+            script = 'mkdir -p -- "$(dirname -- "$1")" && printf %s "$2" | base64 -d > "$1"'
+            r = await self.sandbox.exec(["sh", "-c", script, "sh", path, base64.b64encode(data).decode()],
+                                        timeout_s=self.timeout_s, user=self.user)
+            if r.exit_code != 0 or r.timed_out:
+                return f"error: write_file {path} as {self.user}: {r.stderr.strip() or 'timed out'}", True
+        return f"wrote {len(data)} bytes to {path}", False
 
     async def _submit(self, answer: str) -> tuple[str, bool]:
         await self.sandbox.upload(ANSWER_PATH, answer.encode())

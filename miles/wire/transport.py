@@ -410,9 +410,10 @@ class Connection:
             self._fail(ConnectionLost(f"connection to {self.endpoint} lost"))
         elif event["event"] & _HANDSHAKE_FAILED and self.lost is None:
             self._fail(ConnectionLost(
-                f"the handshake with {self.endpoint} failed; with cluster.auth = 'curve' both ends "
-                f"must hold the job's CurveZMQ keys ({auth.CURVE_PUBLIC_ENV} / "
-                f"{auth.CURVE_SECRET_ENV}), without it neither"))
+                f"the handshake with {self.endpoint} failed: something that is not this job's actor "
+                f"answered there, or, with cluster.auth = 'curve', the two ends do not hold the same "
+                f"CurveZMQ keys ({auth.CURVE_PUBLIC_ENV} / {auth.CURVE_SECRET_ENV}; without curve, "
+                f"neither end may hold them)"))
         elif (event["event"] == zmq.EVENT_CONNECT_RETRIED and not self._connected
               and self.fail_if_refused and self.lost is None):
             self._fail(ConnectionLost(f"connection to {self.endpoint} refused: nothing listens "

@@ -238,3 +238,30 @@ async def test_every_sample_of_quickstart_episodes_is_token_exact(stack, sandbox
         check_exact(samples[0], proxy.for_session(sid), result["messages"], tools, tokenizer)
         turns += result["metrics"]["turns"]
     assert turns > len(rows), "some episodes went past their first turn (a tool was called)"
+
+
+@pytest.mark.parametrize("who", ["current", "nobody"])
+async def test_file_tools_run_as_the_sandbox_user(sandboxes, who):
+    """With `task["sandbox_user"]`, read_file and write_file go through `exec(user=)` like bash, so
+    the user's permissions hold for every tool. Content with shell metacharacters and bytes that
+    are not text survive the round trip (base64 in argv); a user the backend cannot switch to is
+    the tool's error, naming the user, and nothing is written."""
+    from miles.envs.tool_agent import TOOLS, ToolRunner
+    from miles.sandboxes.local import current_user
+    box = await sandboxes({"seed.txt": "412"})
+    user = current_user()[0] if who == "current" else "nobody"
+    runner = ToolRunner(box, set(TOOLS), timeout_s=10.0, max_chars=4000, user=user)
+    content = "a'b\"c $(echo no) `x` \\n ; | & \u00e9\n"
+    wrote, err = await runner.run("write_file", {"path": "sub/dir/out.txt", "content": content})
+    if who == "current":
+        assert not err and wrote == f"wrote {len(content.encode())} bytes to sub/dir/out.txt"
+        assert (await box.download("sub/dir/out.txt")).decode() == content
+        assert await runner.run("read_file", {"path": "sub/dir/out.txt"}) == (content, False)
+        text, err = await runner.run("read_file", {"path": "missing.txt"})
+        assert err and text.startswith(f"error: read_file missing.txt as {user}:"), text
+    else:
+        assert err and "nobody" in wrote, wrote
+        with pytest.raises(FileNotFoundError):
+            await box.download("sub/dir/out.txt")
+        text, err = await runner.run("read_file", {"path": "seed.txt"})
+        assert err and "nobody" in text, text
