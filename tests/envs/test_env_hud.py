@@ -16,8 +16,10 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
+import psutil
 import pytest
 
 from miles.envs import hud_env
@@ -159,16 +161,45 @@ def tool_call(name: str, **arguments) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
+def listening_ports() -> set[int]:
+    """The TCP ports this process listens on (the env's MCP server runs in it, as HUD runs here)."""
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def record_opened_capabilities(monkeypatch) -> list[str]:
+    """The URLs of the MCP capabilities our agent opens, in order, recorded as it opens them."""
+    urls, real = [], hud_env._open_tools
+
+    async def recording(run, cap, timeout_s):
+        urls.append(cap.url)
+        return await real(run, cap, timeout_s)
+    monkeypatch.setattr(hud_env, "_open_tools", recording)
+    return urls
+
+
+def assert_server_gone(url: str, listening_before: set[int]) -> None:
+    """Nothing answers on the MCP server's port, and this process listens on no new port."""
+    port = urllib.parse.urlsplit(url).port
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert listening_ports() == listening_before, (url, listening_ports() - listening_before)
+
+
 @aio
-async def test_our_agent_calls_the_envs_mcp_tools_and_hud_grades_the_answer(scripted):
+async def test_our_agent_calls_the_envs_mcp_tools_and_hud_grades_the_answer(scripted, monkeypatch):
     """The env publishes an MCP server (FastMCP on loopback) as a capability: Miles' agent offers
     its `lookup` tool to the model (in the rendered prompt), runs the call through HUD's client, feeds
     the result back, and HUD grades the final answer. A tool that raises is an error result the
-    model sees, not the episode's end; the MCP server is gone after each episode."""
+    model sees, not the episode's end; the MCP server is gone after each episode (its port refuses
+    connections, no listening socket is left)."""
     engine, url = scripted
+    listening_before = listening_ports()
+    opened = record_opened_capabilities(monkeypatch)
     engine.replies[:] = [tool_call("lookup", key="red"), "The code is 417."]
     run = await episode(url, lookup_row("red"), "hud-tool-ok", {"max_tokens": 64}, max_turns=3)
     assert not run.error, run.error
+    assert len(opened) == 1 and opened[0].startswith("http://127.0.0.1:"), opened
+    assert_server_gone(opened[0], listening_before)
     out = run.samples[0].metadata["agent"]
     assert run.reward == 1.0, (out, engine.prompts)
     assert '"name": "lookup"' in engine.prompts[0]        # the env's tool, declared to the model
@@ -186,11 +217,15 @@ async def test_our_agent_calls_the_envs_mcp_tools_and_hud_grades_the_answer(scri
     errors = [m["content"] for m in out["messages"] if m["role"] == "tool"]
     assert "no code for 'pink'" in errors[0] and "unknown tool 'nope'; the tools are lookup" in errors[1], errors
     assert run.metrics["tool_errors"] == 2.0
+    assert len(opened) == 2 and opened[1] != opened[0], opened   # a server of its own per episode
+    assert_server_gone(opened[1], listening_before)
 
     engine.replies[:] = [tool_call("lookup", key="green")] * 3
     run = await episode(url, lookup_row("green"), "hud-tool-limit", {"max_tokens": 64}, max_turns=2)
     assert not run.error and run.samples[0].status == "truncated"
     assert run.samples[0].metadata["agent"]["stop_reason"] == "max_steps"
+    assert len(opened) == 3
+    assert_server_gone(opened[2], listening_before)
 
 
 @aio
