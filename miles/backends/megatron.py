@@ -28,7 +28,10 @@ Design decisions:
   optimizer per `train.megatron.distributed_optimizer`) on CUDA; on a CPU host, where that
   optimizer cannot run (it allocates CUDA tensors), torch AdamW over fp32 main copies
   (megatron_step.py). Both use `optim.lr_at`, skip a non-finite step, and exist per phase name;
-  switching phases re-reads the main params from the model.
+  switching phases re-reads the main params from the model. `train.optimizer_offload` ("cpu",
+  "nvme") streams the Adam moments per bucket as FSDP does: torch AdamW over the main copies on
+  CUDA too (its inner optimizer optim_offload.OffloadedAdamW), without megatron's distributed
+  optimizer, so each DP rank holds its whole moment set off the device (megatron_step.py says why).
 - Checkpoints go through megatron-core's dist_checkpointing (torch_dist, megatron_checkpoint.py):
   the model's and the optimizer's sharded state under `dist/`, plus FSDP's trainer_state.json /
   RNG / COMPLETE files. A checkpoint saved at one layout resumes at another (TP=2 -> TP=1 x DP=2
@@ -50,7 +53,8 @@ Design decisions:
   side scores every sample (`[teacher]`, `train.teacher_from_samples`); R3 replays the policy's
   routing only (not the critic's or the teacher's).
 - Refused: LoRA (`train.lora`; FSDP only for now) and context parallelism (below).
-- Transformer Engine is not required (local spec); context parallelism needs it and is refused.
+- Transformer Engine is not required (local spec): sequence parallelism runs on our norms (on with TP > 1,
+  as in megatron; MoE with TP needs it); context parallelism needs TE and is refused.
 - R3 (`train.router_replay`): megatron-core's RouterReplay per MoE layer, per model
   (megatron_replay.py); the old/ref passes replay forward, the training pass replays forward and
   recompute. A rank that trains a sample without its routing refuses the batch (all ranks raise
@@ -127,7 +131,7 @@ class MegatronBackend(TrainingBackend):
                         "is 1 by construction (the PPO ratio already compares with the sampling policy)",
                         "use_tis" if loss.use_tis else "use_mis")
         rank.check()
-        config = megatron_step.resolve_sequence_parallel(config)
+        config = megatron_step.resolve_sequence_parallel(config, critic=uses_critic(loss))
         self.cfg, self.loss_cfg, self.rank = config, loss, rank
         self.dp = config.megatron.data_parallel(rank.world_size)
         self.device = init_parallel(config, rank)
@@ -189,7 +193,9 @@ class MegatronBackend(TrainingBackend):
             finalize_model_grads(chunks, None, **kwargs)
 
         config.finalize_model_grads_func = finalize
-        use_dist_opt = self.cfg.megatron.distributed_optimizer and self.device.type == "cuda"
+        # Optimizer offload steps LocalAdamW on whole gradients (megatron_step.make_optimizer)
+        use_dist_opt = (self.cfg.megatron.distributed_optimizer and self.device.type == "cuda"
+                        and self.cfg.optimizer_offload == "none")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.cfg.reduce_dtype == "float32", overlap_grad_reduce=False,
             overlap_param_gather=False, use_distributed_optimizer=use_dist_opt,
@@ -217,13 +223,10 @@ class MegatronBackend(TrainingBackend):
         self._heads_pick_rows = True
 
     def _make_optimizer(self, cfg: TrainConfig):
-        if self.device.type == "cuda":
-            return megatron_step.MegatronAdam(self.chunks, cfg, self.dtype)
-        if cfg.megatron.distributed_optimizer and self.dp > 1:
+        if cfg.megatron.distributed_optimizer and self.dp > 1 and self.device.type != "cuda":
             log.info("train.megatron.distributed_optimizer: megatron's optimizer needs CUDA; on this CPU "
                      "host every DP rank keeps the whole optimizer state (torch AdamW on main_grad)")
-        return megatron_step.LocalAdamW([p for c in self.chunks for p in c.parameters()], cfg, self.device,
-                                        fp32_main=cfg.master_weights_fp32)
+        return megatron_step.make_optimizer(self.chunks, cfg, self.device, self.dtype)
 
     @property
     def step(self) -> int:

@@ -147,6 +147,10 @@ def transformer_config_from_hf(hf_config, train_cfg: TrainConfig):
     if getattr(hf, "mlp_bias", False):
         raise ValueError(f"model_type={mt!r} with mlp_bias=true is not supported")
     if mt == "qwen3_moe":
+        if m.tp > 1 and not kw["sequence_parallel"]:
+            raise ValueError(f"model_type='qwen3_moe' with train.megatron.tp={m.tp} needs "
+                             "train.megatron.sequence_parallel=true (megatron's MoE layer refuses TP "
+                             "without it in training)")
         kw.update(
             num_moe_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
             moe_ffn_hidden_size=hf.moe_intermediate_size, moe_layer_freq=_moe_layer_freq(hf),

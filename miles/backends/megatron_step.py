@@ -1,7 +1,8 @@
 """The pieces of one Megatron training step that megatron-core does not give us as-is.
 
-- `resolve_sequence_parallel`: the local layer spec's torch norms refuse sequence parallelism, so
-  its default (on with TP > 1) is off without Transformer Engine; asking for it is an error there.
+- `resolve_sequence_parallel`: on with TP > 1 unless asked otherwise (megatron's default), in the
+  local spec too (its norms are ours and carry the `sequence_parallel` mark); off beside a PPO
+  critic, whose value head reads whole rows.
 - `padded_row`: a packed row padded to the length megatron needs, the padding its own segment.
 - `freeze_pad_embedding`: HF's padding_idx (no input-side gradient for the pad token's row).
 - `vocab_parallel_logprobs`: token log-probs and entropies from logits sharded over the vocab
@@ -23,6 +24,17 @@
   the update (as the FSDP backend does); `reload_from_model()` re-reads the main copies after
   another phase's optimizer moved the weights; `torch_optimizers()` exposes the inner torch
   optimizers, whose parameters and state are what checkpoints save and sleep offloads.
+  `MegatronAdam` asks for the distributed optimizer exactly when the model's DDP was built for it
+  (`ddp_config.use_distributed_optimizer`): the two must agree, whatever a phase's config says.
+- Optimizer-state offload (`train.optimizer_offload = "cpu" | "nvme"`, `make_optimizer`): the
+  moments stream per bucket as in the FSDP backend, because LocalAdamW's inner optimizer is then
+  `optim.adamw_over`'s `OffloadedAdamW` over the main copies (the same kernels as FSDP: fused on
+  CUDA, foreach elsewhere; bit-identical to offload "none"). It is used on CUDA too: megatron's
+  distributed optimizer keeps its fp32 shards and moments on the device and steps them in its
+  own buffers, which our streaming cannot reach into. The cost, logged at build: no DP sharding
+  of optimizer state, so each DP rank holds its whole moment set (off the device: host memory
+  or its own files) and its fp32 main copies on the device, and the model's gradients are
+  all-reduced rather than reduce-scattered (the DDP is built without the distributed optimizer).
 - `apply_schedule_cpu_shims`: megatron's pipeline schedules allocate `device="cuda"` counters,
   p2p, DDP's grad buffers and the TP/EP gathers allocate on `torch.cuda.current_device()`, p2p
   calls `torch.cuda.synchronize()`, and megatron's GlobalMemoryBuffer (core.utils) that the
@@ -44,27 +56,30 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.config import TrainConfig
+from miles.backends.optim import adamw_over
 
 log = logging.getLogger("miles.backends.megatron")
 
 
 # ---------------------------------------------------------------- layout and rows
-def resolve_sequence_parallel(config: TrainConfig) -> TrainConfig:
-    """Sequence parallelism needs Transformer Engine's norms (the local spec's torch norms refuse it):
-    the default (None: on with TP > 1) turns it off without TE; asking for it without TE is an error."""
+def resolve_sequence_parallel(config: TrainConfig, *, critic: bool = False) -> TrainConfig:
+    """`train.megatron.sequence_parallel` resolved: None means on exactly when TP > 1 (megatron's
+    default), except beside a PPO critic, whose value head reads whole rows (off, logged); asking
+    for it there is an error naming the key."""
     import msgspec
 
-    from miles.backends.megatron_model import _te_wanted
-
     m = config.megatron
-    if m.tp == 1 or _te_wanted(config):
-        return config
-    if m.sequence_parallel:
-        raise ValueError(f"train.megatron.sequence_parallel=true with tp={m.tp} needs Transformer Engine "
-                         "(the local layer spec's norms do not support it); set it to false")
+    if m.tp == 1:
+        return msgspec.structs.replace(config, megatron=msgspec.structs.replace(m, sequence_parallel=False))
+    if critic and m.sequence_parallel:
+        raise ValueError(f"train.megatron.sequence_parallel=true with tp={m.tp} and "
+                         "algo.advantage_estimator='ppo': the critic's value head needs whole rows; "
+                         "set it to false")
     if m.sequence_parallel is None:
-        log.info("train.megatron.sequence_parallel: off (tp=%d without Transformer Engine)", m.tp)
-    return msgspec.structs.replace(config, megatron=msgspec.structs.replace(m, sequence_parallel=False))
+        if critic:
+            log.info("train.megatron.sequence_parallel: off (tp=%d beside the PPO critic)", m.tp)
+        return msgspec.structs.replace(config, megatron=msgspec.structs.replace(m, sequence_parallel=not critic))
+    return config
 
 
 def padded_row(mb, length: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -126,10 +141,20 @@ def freeze_pad_embedding(model: torch.nn.Module, pad_token_id: int | None) -> bo
         return False
 
     def detach_pad_rows(module, args, output):
-        ids = args[0]
-        if output.shape[:2] != ids.shape:  # a sequence-parallel layout: not ours to touch
-            return None
-        return torch.where((ids == pad_token_id)[..., None], output.detach(), output)
+        ids = args[0]  # [b, s]
+        if output.shape[:2] == ids.shape:
+            return torch.where((ids == pad_token_id)[..., None], output.detach(), output)
+        # Sequence parallelism: the embedding reduce-scatters its output to [s / tp, b, h], this TP
+        # rank's slice of the sequence. Detaching each rank's own pad rows zeroes them all in the
+        # gradient, since the backward all-gathers the slices.
+        from megatron.core import parallel_state as ps
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        n = output.shape[0]
+        if n * tp != ids.shape[1] or output.shape[1] != ids.shape[0]:
+            raise AssertionError(f"embedding output {tuple(output.shape)} for input ids "
+                                 f"{tuple(ids.shape)} at tp={tp}: neither [b, s] nor [s/tp, b]")
+        mine = ids.t()[rank * n:(rank + 1) * n]
+        return torch.where((mine == pad_token_id)[..., None], output.detach(), output)
 
     emb.register_forward_hook(detach_pad_rows)
     return True
@@ -192,8 +217,32 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 
 
 # ---------------------------------------------------------------- optimizers
+def make_optimizer(chunks: Sequence[torch.nn.Module], cfg: TrainConfig, device: torch.device,
+                   dtype: torch.dtype):
+    """The optimizer of one model (its DDP `chunks`): megatron's on CUDA, LocalAdamW on a CPU host
+    or whenever train.optimizer_offload streams the moments (see the module docstring)."""
+    params = [p for c in chunks for p in c.parameters()]
+    sharded_grads = any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False)
+                        for c in chunks)
+    if cfg.optimizer_offload != "none":
+        if sharded_grads:
+            raise ValueError(f"train.optimizer_offload={cfg.optimizer_offload!r}: the model's gradient "
+                             "buffers were built for megatron's distributed optimizer (the run's "
+                             "train.optimizer_offload is 'none'); a phase cannot turn offload on")
+        if device.type == "cuda":
+            log.info("train.optimizer_offload=%r: Adam moments stream from %s per bucket (LocalAdamW); "
+                     "megatron's distributed optimizer is off, so each DP rank keeps its whole moment "
+                     "set there and its fp32 main params on the device", cfg.optimizer_offload,
+                     "host memory" if cfg.optimizer_offload == "cpu" else cfg.offload_dir)
+        return LocalAdamW(params, cfg, device, fp32_main=cfg.master_weights_fp32)
+    if device.type == "cuda":
+        return MegatronAdam(chunks, cfg, dtype)
+    return LocalAdamW(params, cfg, device, fp32_main=cfg.master_weights_fp32)
+
+
 class LocalAdamW:
-    """torch AdamW over fp32 main params, stepping on megatron DDP's main_grad (CPU hosts)."""
+    """AdamW over fp32 main params, stepping on megatron DDP's main_grad (CPU hosts; any host
+    with optimizer offload, the inner optimizer then being OffloadedAdamW)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cfg: TrainConfig, device: torch.device,
                  fp32_main: bool):
@@ -201,12 +250,7 @@ class LocalAdamW:
         self.device = device
         self.mains = [p.detach().float().clone() if (fp32_main and p.dtype != torch.float32) else p
                       for p in self.params]
-        decay = [m for m, p in zip(self.mains, self.params) if p.dim() >= 2]
-        no_decay = [m for m, p in zip(self.mains, self.params) if p.dim() < 2]
-        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                           eps=cfg.adam_eps, foreach=device.type != "cuda")
+        self.optimizer = adamw_over(self.mains, cfg, device)
 
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         """One update; returns (grad norm, skipped)."""
@@ -250,7 +294,7 @@ class MegatronAdam:
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
             clip_grad=cfg.grad_clip, bf16=mixed and dtype == torch.bfloat16,
             fp16=mixed and dtype == torch.float16, params_dtype=dtype,
-            use_distributed_optimizer=cfg.megatron.distributed_optimizer)
+            use_distributed_optimizer=any(c.ddp_config.use_distributed_optimizer for c in chunks))
         self.optimizer = get_megatron_optimizer(config, list(chunks))
 
     def _parts(self):

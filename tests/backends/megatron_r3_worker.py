@@ -1,6 +1,6 @@
 """One trainer rank of the Megatron R3 tests (launched by backend_helpers.run_ranks).
 
-    python megatron_r3_worker.py r3:<tp>,<pp>,<ep> <out.json>
+    python megatron_r3_worker.py r3:<tp>,<pp>,<ep> <out.json>   (TP > 1: sequence parallel)
     python megatron_r3_worker.py dense <out.json>      (train.router_replay on a dense model)
 
 The recorded routing of every token is a function of (token id, position, layer) that the model's
@@ -59,6 +59,7 @@ class Probe(MegatronBackend):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.checked = self.matched = 0
+        self.slices: set[tuple[int, int]] = set()   # (first token, tokens) each router call saw
         self.router_grads: list[float] = []
         self.real = set()       # token tuples of real samples (the padding segment is none)
         self._ids = None
@@ -77,12 +78,23 @@ class Probe(MegatronBackend):
         _, routing_map = output
         ids, pos = self._ids
         layer = router.router_replay.layer
+        # Under sequence parallelism this TP rank's router sees only its slice of the row's tokens.
+        n = routing_map.shape[0]
+        first = 0
+        if router.config.sequence_parallel:
+            from megatron.core import parallel_state as ps
+            assert n * ps.get_tensor_model_parallel_world_size() == len(ids), (n, len(ids))
+            first = ps.get_tensor_model_parallel_rank() * n
+        else:
+            assert n == len(ids), (n, len(ids))
+        self.slices.add((first, n))
         starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
         for a, b in zip(starts, starts[1:]):
             if tuple(ids[a:b]) not in self.real:
                 continue
-            for t in range(a, b - 1):     # the last token has no record (sentinel: native routing)
-                got = tuple(routing_map[t].nonzero().flatten().tolist())
+            # the last token has no record (sentinel: native routing)
+            for t in range(max(a, first), min(b - 1, first + n)):
+                got = tuple(routing_map[t - first].nonzero().flatten().tolist())
                 self.checked += 1
                 self.matched += got == recorded_set(ids[t], pos[t], layer)
 
@@ -105,7 +117,9 @@ def run(cfg, rank, loss, samples) -> dict:
     out = {"metrics": metrics, "checked": backend.checked, "matched": backend.matched,
            "router_grad": backend.router_grads[0],
            "calls": sum(r.calls for r in backend.replay.replays),
-           "layers": sorted(r.layer for r in backend.replay.replays)}
+           "layers": sorted(r.layer for r in backend.replay.replays),
+           "sequence_parallel": backend.chunks[0].config.sequence_parallel,
+           "offset_slices": sum(first > 0 for first, _ in backend.slices)}
     return out, backend
 
 
@@ -113,7 +127,7 @@ def r3(tp: int, pp: int, ep: int, out: Path) -> None:
     rank = RankInfo.from_env()
     path = str(build_tiny_model(arch="qwen3_moe"))
     layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=False)
+    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep)   # sequence parallel with TP > 1 (megatron's default)
     grpo = LossConfig(advantage_estimator="grpo", loss_reduction="rollout")
     samples = with_routing(make_samples(groups=2, per_group=4, siblings=2, seed=3), layers)
     base = TrainConfig(backend="megatron", model_path=path, param_dtype="float32", lr=1e-3,

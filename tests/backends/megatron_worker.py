@@ -1,6 +1,6 @@
 """One trainer rank of the multi-rank Megatron backend tests (launched by backend_helpers.run_ranks).
 
-    python megatron_worker.py layout:<arch>:<tp>,<pp>,<ep> <out.json>
+    python megatron_worker.py layout:<arch>:<tp>,<pp>,<ep>[,sp] <out.json>   (sp: sequence parallel)
     python megatron_worker.py engine:<arch>:<tp>,<pp>,<ep> <out.json>     (ENGINE_URL in env)
 
 Runs every check of one parallel layout in one process group (start-up dominates on CPU), asserting
@@ -117,13 +117,12 @@ def expect_refusal(backend, samples, *needles):
     raise AssertionError(f"batch was not refused (expected {needles})")
 
 
-def layout(arch: str, tp: int, pp: int, ep: int, out: Path) -> None:
+def layout(arch: str, tp: int, pp: int, ep: int, out: Path, sp: bool = False) -> None:
     rank = RankInfo.from_env()
     path = str(build_tiny_model(arch=arch))
     tmp = out.parent
     result: dict = {"rank": rank.rank}
-    # The local spec's torch norms refuse sequence parallelism (it needs TE norms).
-    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=False)
+    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
     grpo = LossConfig(advantage_estimator="grpo", loss_reduction="rollout")
     samples = make_samples(groups=3, per_group=4, siblings=2, seed=1)
     # The pad token in prompts and responses: HF's padding_idx gives its input embedding no gradient.
@@ -315,7 +314,9 @@ if __name__ == "__main__":
     kind, arch, sizes = scenario.split(":")
     if kind not in ("layout", "engine"):
         raise SystemExit(f"unknown scenario {scenario!r}")
-    {"layout": layout, "engine": engine}[kind](arch, *(int(x) for x in sizes.split(",")), Path(out_path))
+    tp, pp, ep, *flags = sizes.split(",")
+    kw = {"sp": True} if "sp" in flags else {}
+    {"layout": layout, "engine": engine}[kind](arch, int(tp), int(pp), int(ep), Path(out_path), **kw)
     dist.barrier()
     from miles.backends.megatron_model import destroy_parallel
     destroy_parallel()

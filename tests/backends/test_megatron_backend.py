@@ -1,4 +1,5 @@
-"""The Megatron backend with real processes on gloo: TP=2, PP=2 and EP=2 (Qwen3-MoE) each train one
+"""The Megatron backend with real processes on gloo: TP=2 (with and without sequence parallelism;
+Qwen3-MoE with it), PP=2 and EP=2 (Qwen3-MoE) each train one
 step whose loss, grad norm and every gradient equal one unsharded, unpacked step of the plain HF
 model (fp32; tolerance below), refuse bad batches on every rank, stream the same tensors as their
 HF export, resume bit-exactly after save -> sleep/wake; weights reach an embedded engine checked
@@ -28,8 +29,9 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 GRAD_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("arch,sizes", [("qwen3", "2,1,1"), ("qwen3", "1,2,1"), ("qwen3_moe", "1,1,2")],
-                         ids=["tp2", "pp2", "ep2_moe"])
+@pytest.mark.parametrize("arch,sizes", [("qwen3", "2,1,1"), ("qwen3", "1,2,1"), ("qwen3_moe", "1,1,2"),
+                                        ("qwen3", "2,1,1,sp"), ("qwen3_moe", "2,1,1,sp")],
+                         ids=["tp2", "pp2", "ep2_moe", "tp2_sp", "tp2_sp_moe"])
 def test_megatron_layout_matches_the_unsharded_step(arch, sizes, tmp_path):
     ranks = run_ranks(f"layout:{arch}:{sizes}", tmp_path, world_size=2, timeout_s=280, worker=WORKER)
     zero = ranks[0]

@@ -77,10 +77,20 @@ def test_rows_follow_the_padded_and_sequence_parallel_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", ["1,1,2", "1,2,1"], ids=["ep2", "pp2"])
+@pytest.mark.parametrize("sizes", ["1,1,2", "1,2,1", "2,1,1"], ids=["ep2", "pp2", "tp2_sp"])
 def test_megatron_replays_the_recorded_routing(sizes, tmp_path):
+    """Each layout replays every recorded (token, layer) pair. Under TP = 2 with sequence
+    parallelism (megatron requires it for MoE with TP) each TP rank's routers see half of each row's tokens, and the hook checks them at
+    their global positions (rank 1's slice starts mid-row)."""
     ranks = run_ranks(f"r3:{sizes}", tmp_path, world_size=2, timeout_s=400, worker=WORKER)
     check_ranks(ranks, pp=sizes == "1,2,1")
+    sp = sizes == "2,1,1"
+    for r in ranks:
+        assert r["on"]["sequence_parallel"] is sp
+        assert (r["on"]["offset_slices"] > 0) is (sp and r["rank"] == 1), r["on"]
+    if sp:   # each TP rank checks about half of the tokens
+        checked = [r["on"]["checked"] for r in ranks]
+        assert abs(checked[0] - checked[1]) < 0.5 * max(checked), checked
 
 
 def test_replay_on_a_dense_model_is_refused(tmp_path):
