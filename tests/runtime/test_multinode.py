@@ -1,9 +1,11 @@
 """The RL loop on two node daemons on loopback, started as `srun launch/miles.sh` starts them:
 trainer ranks in one gloo group over both nodes, one engine fleet per node, the gateway on the
-head. Then losing a node: kill -9 of node 1's daemon stops the job with a named error and no
-orphans, and the same command resumes from the newest checkpoint; kill -9 of the head stops
-node 1 within `cluster.node_timeout_s` (the demo actors' case below: the rule is the node
-daemon's, whatever actors it runs)."""
+head. The agent quickstart on the same layout: the gateway and the TITO session server run under
+the head's daemon, and the agent's turns reach node 1's engine through them. Then losing a node:
+kill -9 of node 1's daemon stops the job with a named error and no orphans, and the same command
+resumes from the newest checkpoint; kill -9 of the head stops node 1 within
+`cluster.node_timeout_s` (the demo actors' cases below, on two and three nodes: the rule is the
+node daemon's, whatever actors it runs)."""
 
 import json
 import os
@@ -89,6 +91,7 @@ def _alive(pids) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(720)   # its own waits: 120 s to placement + 540 s for the run
 def test_two_node_quickstart_learns_with_ranks_and_engines_on_both_nodes(tmp_path, cluster_launcher):
     out = tmp_path / "qs2"
     procs, logs = cluster_launcher(RECIPE, 2, [*_common(tmp_path, "qs2"), "loop.num_steps=60",
@@ -127,6 +130,7 @@ def test_two_node_quickstart_learns_with_ranks_and_engines_on_both_nodes(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)   # its own waits: 240 + 30 + 30 + 5 s to the loss, 300 s for the resume
 def test_losing_a_node_stops_the_job_named_and_the_same_command_resumes(tmp_path, cluster_launcher):
     out = tmp_path / "lost"
     overrides = [*_common(tmp_path, "lost"), "loop.num_steps=8", "loop.save_every=2",
@@ -178,6 +182,7 @@ def _engine_pids(daemon_pid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)   # its own waits: 240 s to the kill + 300 s for the run
 def test_an_engine_killed_on_node_1_is_restarted_there_and_rejoins_after_a_publish(tmp_path, cluster_launcher):
     """Node 1's fleet restarts its engine and reports it; the head's fleet holds it pending until
     the driver has published the current weights to it, then it serves again."""
@@ -207,6 +212,116 @@ def test_an_engine_killed_on_node_1_is_restarted_there_and_rejoins_after_a_publi
     assert f"weight version {train[-1]['version']}:" in engine_log.split(f"on {fresh_url}")[1]
     assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
 
+
+# The agent quickstart laid out as quickstart_2node lays out the CPU quickstart: the head's fleet
+# then runs the TITO session server in front of its gateway, which lists both nodes' engines.
+AGENT_RECIPE = ROOT / "recipes" / "agent_quickstart.toml"
+
+
+def _agent_2node_recipe(path: Path) -> Path:
+    """agent_quickstart.toml followed by quickstart_2node.toml's [cluster] and [actors.*]
+    sections (the agent recipe has none of its own): neither file's settings are copied here."""
+    layout, agent = RECIPE.read_text(), AGENT_RECIPE.read_text()
+    assert "\n[cluster]" in layout and "[cluster]" not in agent and "[actors." not in agent
+    path.write_text(agent + layout[layout.index("\n[cluster]"):])
+    return path
+
+
+def _processes_of(daemon_pid: int, is_it) -> list[psutil.Process]:
+    """The processes under a daemon whose command line `is_it(cmdline)` accepts."""
+    out = []
+    try:
+        children = psutil.Process(daemon_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for child in children:
+        try:
+            if is_it(child.cmdline()):
+                out.append(child)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _is_gateway(cmd: list[str]) -> bool:
+    return bool(cmd) and cmd[0].startswith("smg::")  # smg names its router process so
+
+
+def _is_module(module: str):
+    return lambda cmd: cmd[1:3] == ["-m", module]
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def _listens_on(proc: psutil.Process, port: int) -> bool:
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+               for c in proc.net_connections(kind="tcp"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)   # ~50 s here (2 shared cores); its own waits: 240 + 300 s
+def test_two_node_agent_run_has_gateway_and_session_server_on_the_head_and_reaches_node_1(
+        tmp_path, cluster_launcher):
+    import urllib.request
+
+    out = tmp_path / "agent2"
+    steps = 3
+    procs, logs = cluster_launcher(_agent_2node_recipe(tmp_path / "agent_2node.toml"), 2, [
+        *_common(tmp_path, "agent2"), f"loop.num_steps={steps}", "loop.eval_every=0", 'eval.mode="off"'])
+    seen: dict = {}
+
+    def servers_up() -> bool:
+        """The gateway and the session server under node 0, an engine under each node, and the
+        gateway's worker list as the session server's engine URL answers it."""
+        gateways = _processes_of(procs[0].pid, _is_gateway)
+        sessions = _processes_of(procs[0].pid, _is_module("miles.tito.server"))
+        engines = [_processes_of(p.pid, _is_module("miles.engines.embedded")) for p in procs]
+        if not (gateways and sessions and all(engines)):
+            return False
+        try:
+            seen.update(session=sessions[0].cmdline(),
+                        engines=[[e.cmdline() for e in node] for node in engines])
+            gateway_url = _flag(seen["session"], "--engine-url")
+            seen["gateway_listens"] = _listens_on(gateways[0], int(gateway_url.rsplit(":", 1)[1]))
+            with urllib.request.urlopen(gateway_url + "/workers", timeout=5) as resp:
+                seen["workers"] = {w["url"] for w in json.loads(resp.read())["workers"]}
+        except (psutil.Error, OSError, ValueError, KeyError):
+            return False
+        return True
+
+    _until(servers_up, 240, "the gateway and session server on node 0, an engine on each node", procs)
+    pids = _tree(procs[0].pid) | _tree(procs[1].pid)
+    # the head runs the gateway and the session server, node 1 neither; the session server sends
+    # to that gateway, and the gateway lists node 1's engine
+    assert not _processes_of(procs[1].pid, _is_gateway), "a gateway on node 1"
+    assert not _processes_of(procs[1].pid, _is_module("miles.tito.server")), "a session server on node 1"
+    assert seen["gateway_listens"], f"its --engine-url is not node 0's smg: {seen['session']}"
+    urls = [[f"http://{_flag(cmd, '--host')}:{_flag(cmd, '--port')}" for cmd in node]
+            for node in seen["engines"]]
+    assert set(urls[0]) | set(urls[1]) == seen["workers"], (urls, seen["workers"])
+
+    codes = _wait(procs, 300, "the 2-node agent run")
+    head_log = logs[0].read_text()
+    assert codes == [0, 0], head_log[-4000:]
+    assert [r["step"] for r in _records(out, "train")] == list(range(1, steps + 1))
+    # Every generation goes session server -> gateway -> an engine (no evaluation runs): node 1's
+    # engine served agent turns through the head's gateway, and the episodes completed.
+    fleet = _records(out, "actors")[-1]
+    assert fleet["engines/node1/requests_total"] > 0 and fleet["engines/node0/requests_total"] > 0, fleet
+    assert fleet["episode/count"] >= steps * 4 * 8 and fleet["episode/failed"] == 0, fleet
+    assert fleet["episode/tool_calls"] > 0 and fleet["rollout/samples_failed"] == 0, fleet
+    # nothing left: no open session of this run, no sandbox, no process of either node
+    rollout_log = (out / "logs" / "rollout.log").read_text().splitlines()
+    settled = [line for line in rollout_log if "episodes settled:" in line]
+    closed = [line for line in rollout_log if "episodes closed:" in line]
+    assert settled and "sessions of this run open: 0; sandboxes live: 0" in settled[0], settled
+    assert closed and "live at close 0; swept 0" in closed[0], closed
+    time.sleep(1.0)
+    assert _alive(pids) == [], "processes left after the 2-node agent run"
+    print(f"2-node agent run: {fleet['episode/count']:.0f} episodes, requests served per node "
+          f"{fleet['engines/node0/requests_total']:.0f} / {fleet['engines/node1/requests_total']:.0f}")
 
 # Fast cases of the same rules without the RL loop: demo actors, one of them placed per node.
 PER_NODE = '''
@@ -249,21 +364,29 @@ def _started(procs, names_by_rank, out: Path, timeout_s=30.0):
     _until(placed, timeout_s, f"actors {names_by_rank} on their nodes, registered", procs)
 
 
-def test_per_node_placement_names_one_actor_per_node_and_a_lost_node_ends_the_job(node_launcher):
-    procs, _, logs = node_launcher(PER_NODE, nnodes=2)
-    _started(procs, [["driver", "sink"], ["sink@1"]], logs[0].parent / "run")
-    assert "sink@1" not in _actors_of(procs[0].pid) and "sink" not in _actors_of(procs[1].pid)
-    pids = _tree(procs[0].pid) | _tree(procs[1].pid)
+@pytest.mark.parametrize("nnodes", [2, 3])
+def test_per_node_placement_names_one_actor_per_node_and_a_lost_node_ends_the_job(node_launcher, nnodes):
+    """One sink per node, named by node; killing node 1 (the middle one of three) ends the job on
+    every node that is left, each saying which node was lost."""
+    recipe = PER_NODE.replace("nodes = [0, 1]", f"nodes = {list(range(nnodes))}")
+    procs, _, logs = node_launcher(recipe, nnodes=nnodes)
+    names = [["driver", "sink"]] + [[f"sink@{rank}"] for rank in range(1, nnodes)]
+    _started(procs, names, logs[0].parent / "run")
+    assert [sorted(_actors_of(p.pid)) for p in procs] == [sorted(n) for n in names]
+    pids = set().union(*(_tree(p.pid) for p in procs))
+    left = [p for rank, p in enumerate(procs) if rank != 1]
     killed = time.monotonic()
     os.kill(procs[1].pid, signal.SIGKILL)
-    code = _wait(procs[:1], 4.0 + 3 + 10, "the head after node 1 was lost")[0]
+    codes = _wait(left, 4.0 + 3 + 10, "the other nodes after node 1 was lost")
     took = time.monotonic() - killed
     text = logs[0].read_text()
-    assert code == 1, text[-3000:]
+    assert codes == [1] * len(left), text[-3000:]
     line = next(l for l in text.splitlines() if "shutting down: node 1 lost:" in l)
     assert "its actors: sink@1;" in line and "stopped before the first checkpoint" in line, line
     assert "(cluster.node_timeout_s = 4.0)" in line
     assert took < 4.0 + 3 + 5, took
+    for log in logs[2:]:  # the head passed the reason on to the nodes that are left
+        assert "shutting down: node 1 lost:" in log.read_text(), log.read_text()[-3000:]
     time.sleep(0.5)
     assert _alive(pids) == []
 
