@@ -142,7 +142,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     adam_eps: float = 1e-8
     grad_clip: float = 1.0                # max global grad norm; 0 = no clipping
     # Adam moments streamed per bucket through the device from host memory ("cpu") or files
-    # under offload_dir ("nvme", node-local); miles/backends/optim_offload.py
+    # under offload_dir ("nvme", node-local), FSDP and Megatron (there without the distributed
+    # optimizer: each DP rank holds all moments); miles/backends/optim_offload.py
     optimizer_offload: OptimizerOffload = "none"
     # node-local directory of optimizer_offload = nvme's files
     offload_dir: str = ""

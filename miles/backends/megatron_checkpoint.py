@@ -10,7 +10,12 @@ Design decisions:
   a CPU host the optimizer is our torch AdamW over main copies (megatron_step.LocalAdamW), so each
   main param and Adam moment becomes a ShardedTensor with its parameter's sharding under
   `optimizer.<state>.<param key>` (megatron's `make_sharded_optimizer_tensor`); Adam's step count
-  is one number per optimizer, kept with the common (rank-0) state.
+  is one number per optimizer, kept with the common (rank-0) state. The moments are read and
+  restored through the inner optimizer's state_dict / load_state_dict, so with optimizer offload
+  (OffloadedAdamW) they go between the checkpoint and host memory or the offload files without
+  ever landing on the device, under the same keys: a checkpoint saved with offload "cpu" resumes
+  with "nvme" and back, and on a CPU host with "none" too (on CUDA, "none" is megatron's
+  optimizer, the other kind below).
 - megatron's DistributedOptimizer over torch's Adam (CUDA without TE/apex FusedAdam) cannot load
   into a never-stepped optimizer as shipped (0.16, 0.19): `init_distributed_adam_state` gives it
   Adam's zero state first, and `adam_step_kept_while_loading` lets its parameter-state copy skip
@@ -110,24 +115,44 @@ def _sharded_params(model_sd: dict[str, Any]) -> dict[int, Any]:
     return {id(t.data): t for t in nested_values(tensors)}
 
 
-def local_adamw_sharded_state_dict(opt, model_sd: dict[str, Any]) -> dict[str, Any]:
+def _adam_states(opt, *, is_loading: bool) -> list[dict[str, Any]]:
+    """LocalAdamW's {exp_avg, exp_avg_sq, step} per main param (in `opt.mains` order).
+
+    Through the inner optimizer's own `state_dict()`, so an OffloadedAdamW hands out its moments
+    from host memory or its files (never onto the device). Before the first step: zeros, as
+    AdamW starts from. When loading, the moments are only the buffers dist_checkpointing reads
+    into: an offloaded optimizer's then are fresh host tensors (not a pointless read of its
+    files); a plain AdamW's are its own state tensors, filled in place."""
+    from miles.backends.optim_offload import OffloadedAdamW
+
+    inner = opt.optimizer
+    offloaded = isinstance(inner, OffloadedAdamW)
+    index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+    saved = {} if offloaded and is_loading else inner.state_dict()["state"]
+    out = []
+    for main in opt.mains:
+        state = saved.get(index[id(main)])
+        if not state:
+            where = dict(device="cpu") if offloaded else dict(device=main.device)
+            state = {"exp_avg": torch.zeros(main.shape, dtype=main.dtype, **where),
+                     "exp_avg_sq": torch.zeros(main.shape, dtype=main.dtype, **where),
+                     "step": torch.zeros(())}
+        out.append(state)
+    return out
+
+
+def local_adamw_sharded_state_dict(opt, model_sd: dict[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
     """LocalAdamW's main params and moments, each sharded like its model parameter."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     by_param = _sharded_params(model_sd)
-    inner = opt.optimizer
     out: dict[str, Any] = {"main": {}, "exp_avg": {}, "exp_avg_sq": {}}
     steps = []
-    for i, (p, main) in enumerate(zip(opt.params, opt.mains)):
+    for i, (p, main, state) in enumerate(zip(opt.params, opt.mains, _adam_states(opt, is_loading=is_loading))):
         sharded = by_param.get(id(p))
         if sharded is None:
             raise RuntimeError(f"checkpoint: optimizer parameter {i} of shape {tuple(p.shape)} has no entry in "
                                "the model's sharded_state_dict (a parameter megatron does not checkpoint)")
-        state = inner.state.get(main)
-        if not state:   # no step yet: zeros are what AdamW starts from
-            state = {"exp_avg": torch.zeros_like(main), "exp_avg_sq": torch.zeros_like(main),
-                     "step": torch.zeros(())}
-            inner.state[main] = state
         out["main"][str(i)] = make_sharded_optimizer_tensor(sharded, main, f"{OPTIM_PREFIX}.main")
         for key in ("exp_avg", "exp_avg_sq"):
             out[key][str(i)] = make_sharded_optimizer_tensor(sharded, state[key], f"{OPTIM_PREFIX}.{key}")
@@ -139,20 +164,25 @@ def local_adamw_sharded_state_dict(opt, model_sd: dict[str, Any]) -> dict[str, A
 
 
 def restore_local_adamw(opt, loaded: dict[str, Any]) -> None:
-    step_on_device = bool(opt.optimizer.defaults.get("fused") or opt.optimizer.defaults.get("capturable"))
-    step = torch.tensor(float(loaded["step"]), device=opt.device if step_on_device else "cpu")
+    """Main params copied in place; the moments and step count through the inner optimizer's
+    `load_state_dict` (an OffloadedAdamW writes them into its store, parameter by parameter)."""
+    inner = opt.optimizer
+    step = torch.tensor(float(loaded["step"]))
     with torch.no_grad():
         for i, (p, main) in enumerate(zip(opt.params, opt.mains)):
             main.copy_(loaded["main"][str(i)])
             if main is not p:
                 p.copy_(main)
-            state = opt.optimizer.state.setdefault(main, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key].copy_(loaded[key][str(i)])
-                else:
-                    state[key] = loaded[key][str(i)].to(main.device, main.dtype).clone()
-            state["step"] = step.clone()
+    index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+    state = {index[id(main)]: {"step": step.clone(), "exp_avg": loaded["exp_avg"][str(i)],
+                               "exp_avg_sq": loaded["exp_avg_sq"][str(i)]}
+             for i, main in enumerate(opt.mains)}
+    groups, start = [], 0
+    for g in inner.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": list(range(start, start + len(g["params"])))})
+        start += len(g["params"])
+    inner.load_state_dict({"state": state, "param_groups": groups})
 
 
 # The distributed optimizer's state in model space, so that a change of DP size reshards it too.
@@ -230,7 +260,7 @@ def sharded_state(chunks: Sequence[torch.nn.Module], opt, *, is_loading: bool = 
     """The whole sharded state of one model + its optimizer."""
     model_sd = model_sharded_state_dict(chunks)
     if hasattr(opt, "mains"):
-        return {**model_sd, OPTIM_PREFIX: local_adamw_sharded_state_dict(opt, model_sd)}
+        return {**model_sd, OPTIM_PREFIX: local_adamw_sharded_state_dict(opt, model_sd, is_loading=is_loading)}
     init_distributed_adam_state(opt.optimizer)
     return {**model_sd, OPTIM_PREFIX: opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                        metadata=OPTIM_METADATA)}

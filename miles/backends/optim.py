@@ -8,7 +8,9 @@ Design decisions:
   first update is not wasted at lr 0.
 - No weight decay on 1-D parameters (norm scales, biases), as in Megatron and most LLM recipes.
 - Fused AdamW on CUDA (one kernel for all parameters, works on FSDP2 DTensors); the foreach
-  implementation elsewhere.
+  implementation elsewhere. `adamw_over` is the one place that choice (and optimizer offload) is
+  made: the FSDP backend's model parameters and the Megatron backend's main copies both go
+  through it, so the two backends step with the same kernels.
 """
 
 from __future__ import annotations
@@ -37,12 +39,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_adamw(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.dim() < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    return adamw_over([p for p in model.parameters() if p.requires_grad], cfg, device)
+
+
+def adamw_over(params, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `params` (the FSDP model's, or the Megatron backend's main copies): weight decay
+    on the >= 2-D ones, fused on CUDA, foreach elsewhere; `OffloadedAdamW` when
+    train.optimizer_offload is not "none"."""
+    params = list(params)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
     kwargs.update(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
