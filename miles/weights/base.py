@@ -12,11 +12,12 @@ transport that must talk HTTP to engines while a collective is in flight uses it
 others), so a transport drops the remaining buckets and raises the failure from `finish`.
 
 Optional, with defaults that keep the four-method contract whole (only the publisher calls them):
-- `pause_during_transfer = False` says the engines may keep generating while the buckets move
-  (disk-delta: they only read files later). The publisher then runs `prepare(version)` with the
-  engines serving, pauses, and runs `commit(version)`: the pause covers only the swap.
-- `sets_version = True` says `finish` already set the version on every engine (the nccl
-  transport's final barrier is `/update_weight_version`), so the publisher skips that call.
+- `pause_during_transfer = False` says the engines keep generating throughout (disk-delta:
+  they only read files, and swap between two of their own steps). The publisher then runs
+  `prepare(version)` and `commit(version)` with the engines serving, and never pauses them.
+- `sets_version = True` says the transport already set the version on every engine (the nccl
+  transport's final barrier is `/update_weight_version`; disk-delta's commit sets it with the
+  swap), so the publisher skips that call.
 - `send_gate`: a transport that sets `uses_send_gate = True` promises to touch no engine before
   `send_gate.wait()` returns; the publisher then starts the gather at once and opens the gate
   when every engine has paused, so the first buckets are gathered while the engines pause.
@@ -103,7 +104,7 @@ class WeightTransport(ABC):
         """(pause_during_transfer=False only) engines make `version` ready while serving."""
 
     def commit(self, version: int) -> None:
-        """(pause_during_transfer=False only) engines swap `version` in; they are paused."""
+        """(pause_during_transfer=False only) engines swap `version` in, between two of their steps."""
 
     def abandon(self, version: int) -> None:
         """The publish of `version` failed: drop whatever was staged for it (best effort)."""

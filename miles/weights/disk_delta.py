@@ -1,13 +1,24 @@
 """`transport = "disk_delta"`: publish only the bytes that changed since the engines' version.
 
-Flow of one publish (the publisher drives it; engines keep generating until the swap):
+Flow of one publish (the publisher drives it; the engines never stop generating):
 
     run_update   trainer writes <disk_dir>/delta-v000007/ (XOR vs the previous version, compressed,
                  per-tensor sha256)                                      engines serving
-    prepare      every engine decodes + verifies the delta into host memory   engines serving
-    commit       every engine swaps the verified tensors in                   engines PAUSED
+    prepare      every engine decodes + verifies the delta and stages it (its GPU or host
+                 memory)                                                 engines serving
+    commit       every engine swaps the staged tensors in between two scheduler steps and sets
+                 the version with them                                   engines serving
 
 Design decisions:
+- No pause (`pause_during_transfer = False`, and the publisher pauses such a transport never):
+  the engine's apply holds its step lock for the swap, which is what a pause would buy, and
+  sets the version under the same lock (`sets_version`), so requests in flight continue on the
+  new weights and their `weight_versions` spans say from which token. The stall is the commit's
+  own time (the publisher's `load_s`); `weights/changed_frac` says how much of the model moved.
+- Double-buffered on the engine side (miles/engines/embedded_engine/delta.py): a staged tensor
+  becomes the live weight where it can (a pointer swap), else it is copied in. Each engine's
+  apply answer says how many went each way and how long it held the step lock; `applied` keeps
+  them, one per engine, and the trainer logs them.
 - The trainer keeps the bytes of the version the engines hold (in the engines' dtype, in host
   memory) and XORs the new bytes against them; the first publish, or the first after a failure
   that may have left engines on different versions, is written raw (it applies to any weights).
@@ -50,7 +61,8 @@ def tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 class DiskDeltaTransport(WeightTransport):
-    pause_during_transfer = False
+    pause_during_transfer = False  # nor during the commit: see the module docstring
+    sets_version = True            # the engine's apply sets it, under the lock of the swap
 
     def __init__(self, config: WeightsConfig, *, is_sender: bool = True):
         self.cfg = config
@@ -67,6 +79,7 @@ class DiskDeltaTransport(WeightTransport):
         self.delta_dir: Path | None = None
         self.last_manifest = None
         self.staged_on: list[str] = []  # per engine, from the last prepare: "cuda:0", "cpu"
+        self.applied: list[dict] = []   # per engine, from the last commit: swapped, copied, swap_s
 
     def connect(self, engine_urls: list[str]) -> None:
         if not self.is_sender:
@@ -150,7 +163,7 @@ class DiskDeltaTransport(WeightTransport):
                  manifest.payload_bytes / 2**20, manifest.full_bytes / 2**20,
                  100 * manifest.payload_bytes / max(manifest.full_bytes, 1), manifest.base_version)
 
-    # ---- engine side: prepare while serving, swap while paused --------------------------------
+    # ---- engine side: prepare and swap while serving -------------------------------------------
 
     def prepare(self, version: int) -> None:
         self.staged_on = []
@@ -167,10 +180,11 @@ class DiskDeltaTransport(WeightTransport):
         log.info("delta v%d prepared; staged on %s", version, ", ".join(self.staged_on))
 
     def commit(self, version: int) -> None:
+        self.applied = []
         try:
-            self._calls.call_all("update_weights_from_delta", "apply", weight_version=str(version),
-                                 timeout_s=self.cfg.commit_timeout_s,
-                                 what=f"version {version}: apply delta")
+            answers = self._calls.call_all("update_weights_from_delta", "apply", weight_version=str(version),
+                                           timeout_s=self.cfg.commit_timeout_s,
+                                           what=f"version {version}: apply delta")
         except EngineCallError:
             # Some engines may have swapped, some not: the next publish is written raw.
             self._base, self._base_sha, self._base_version = {}, {}, None
@@ -178,6 +192,11 @@ class DiskDeltaTransport(WeightTransport):
             raise
         self._base, self._base_sha, self._base_version = self._next, self._next_sha, version
         self._next, self._next_sha = {}, {}
+        self.applied = [{k: a.get(k) for k in ("swapped", "copied", "swap_s")} if isinstance(a, dict)
+                        else {} for a in answers]
+        log.info("delta v%d applied while serving: %s", version, "; ".join(
+            f"{a.get('swapped')} swapped, {a.get('copied')} copied in "
+            f"{1e3 * float(a.get('swap_s') or 0.0):.1f} ms" for a in self.applied))
 
     def abandon(self, version: int) -> None:
         if self._writer is not None:

@@ -5,10 +5,10 @@
     pause (in_place | retract) -> run_update (begin, buckets, finish) -> update_weight_version
     -> continue_generation [-> check_weights]
 
-For a transport whose engines keep serving during the transfer (disk_delta):
+For a transport whose engines keep serving throughout (disk_delta), no pause at all:
 
-    run_update -> prepare (engines decode + verify, still serving) -> pause -> commit (swap)
-    -> update_weight_version -> continue_generation [-> check_weights]
+    run_update -> prepare (engines decode + verify) -> commit (each engine swaps between two of
+    its steps) [-> update_weight_version, unless the commit set it] [-> check_weights]
 
 Design decisions:
 - Plain async Python, not an actor: the Trainer actor on rank 0 owns one and awaits `publish`.
@@ -34,6 +34,10 @@ Design decisions:
   a collective that every trainer rank must repeat.
 - Stall time is the figure (`PublishReport.metrics`): pause request -> resume answer, split into
   pause, transfer, load, version and resume on one clock, so the parts add up to it exactly.
+  A transport that says `pause_during_transfer = False` is never paused: the engine's commit
+  lands between two of its scheduler steps (held under its step lock, which is all a pause
+  buys), requests in flight continue on the new weights, and its stall is the commit (`load_s`)
+  plus the version call if the commit did not set it; pause, transfer and resume are 0.
 - `check_weights` compares every engine parameter's checksum (`/weights_checksum`, the
   `weights.checksum` algorithm) with what the trainer sent (checks.py) after the engines are
   resumed, and raises on the first mismatch.
@@ -71,7 +75,7 @@ class PublishReport(msgspec.Struct, kw_only=True):
     version: int
     transport: str
     seconds: float          # the whole publish() call
-    paused_s: float         # engines paused (pause answered -> continue answered)
+    paused_s: float         # engines paused (pause answered -> continue answered); 0 never paused
     transfer_s: float       # run_update (with a send gate it starts together with the pause)
     prepare_s: float = 0.0  # disk_delta: engines decoding while they serve
     check_s: float = 0.0
@@ -84,8 +88,10 @@ class PublishReport(msgspec.Struct, kw_only=True):
     # Stall time: the engines serve nothing from the pause request to the resume answer.
     # stall_s = pause_s + stall_transfer_s + load_s + version_s + resume_s, exactly (one clock,
     # consecutive timestamps). With a send gate the gather starts with the pause, so only the
-    # transfer that outlasts the pause counts; disk_delta's transfer and prepare run while the
-    # engines serve (transfer_s, prepare_s) and its load is the commit (the swap).
+    # transfer that outlasts the pause counts. disk_delta is never paused: its transfer and
+    # prepare run while the engines serve (transfer_s, prepare_s) and its stall is the commit's
+    # round trip (load_s; the engines hold their step lock for part of it, the swap), with
+    # pause_s, stall_transfer_s and resume_s 0.
     stall_s: float = 0.0
     pause_s: float = 0.0          # pause request -> every engine answered paused
     stall_transfer_s: float = 0.0  # paused -> transfer done, less load_s
@@ -150,7 +156,7 @@ class WeightPublisher:
         if cfg.check_weights:
             await self._prepare_check(version)
         step, failure = "pause", None
-        paused_at = resumed_at = None
+        paused_at = resumed_at = swap_at = None
         transfer_s = prepare_s = load_s = 0.0
         asked_at = transferred_at = versioned_at = None  # stall clock (see PublishReport)
         gated = tr.pause_during_transfer and tr.uses_send_gate
@@ -189,15 +195,12 @@ class WeightPublisher:
                 await self._in_thread(tr.prepare, version, timeout_s=cfg.prepare_timeout_s + 30.0,
                                       what="prepare")
                 prepare_s = time.perf_counter() - t
-                step = "pause"
-                paused_at = asked_at = time.perf_counter()
-                await self._pause(version)
-                paused_at = time.perf_counter()
                 step = "commit"
+                swap_at = time.perf_counter()  # never paused: the stall clock starts at the commit
                 await self._in_thread(tr.commit, version, timeout_s=cfg.commit_timeout_s + 30.0,
                                       what="commit")
                 transferred_at = time.perf_counter()
-                load_s = transferred_at - paused_at
+                load_s = transferred_at - swap_at
             step = "version"
             if not tr.sets_version:
                 await self._each("update_weight_version", version, timeout_s=cfg.control_timeout_s)
@@ -241,6 +244,8 @@ class WeightPublisher:
             report.changed_frac = stats.changed_elements / stats.elements
         if asked_at is not None and resumed_at is not None:
             _stall_parts(report, asked_at, paused_at, transferred_at, versioned_at, resumed_at, load_s)
+        elif swap_at is not None and versioned_at is not None:  # never paused: nothing to resume
+            _stall_parts(report, swap_at, swap_at, transferred_at, versioned_at, versioned_at, load_s)
         self.last_report = report
         log.info("published version %d via %s: %.1f MiB (%.1f MiB moved) in %.3f s, paused %.3f s",
                  version, cfg.transport, report.bytes / 2**20, report.payload_bytes / 2**20,
@@ -261,7 +266,10 @@ class WeightPublisher:
         else:
             held = ("their previous weight_version; their weights may be partially updated until "
                     "the next publish overwrites them")
-        resumed = "Engines were resumed" if resume_error is None else f"Resuming failed too: {resume_error}"
+        if not self.transport.pause_during_transfer:
+            resumed = "Engines were never paused"
+        else:
+            resumed = "Engines were resumed" if resume_error is None else f"Resuming failed too: {resume_error}"
         return (f"publish of version {version} failed at step {step!r} (transport "
                 f"{self.cfg.transport!r}): {cause}. {resumed}; they hold {held}.")
 

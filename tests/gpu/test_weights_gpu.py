@@ -133,14 +133,15 @@ async def test_nccl_gpu0_to_engine_on_gpu1_with_a_request_in_flight(tmp_path):
         await engine.stop_async()
 
 
-async def test_disk_delta_into_a_cuda_engine(tmp_path):
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+async def test_disk_delta_into_a_cuda_engine(graphs, tmp_path):
     path = build_tiny_model(**MODEL)
     # The engine stages on its GPU only when free memory exceeds the delta by its headroom (2 GiB):
     # give back what earlier tests of this process keep cached. At INFO, the engine logs where.
     torch.cuda.empty_cache()
-    engine = await launch_embedded_engine(path, extra_args=["--device", "cuda:0", *ENGINE,
-                                                            "--log-level", "info"],
-                                          log_path=tmp_path / "engine.log")
+    engine = await launch_embedded_engine(path, extra_args=[
+        "--device", "cuda:0", *ENGINE, "--log-level", "info",
+        *([] if graphs else ["--disable-cuda-graph"])], log_path=tmp_path / "engine.log")
     try:
         model = plain_model(path, "cuda:0")
         cfg = WeightsConfig(transport="disk_delta", check_weights=True, disk_dir=str(tmp_path / "d"))
@@ -154,11 +155,24 @@ async def test_disk_delta_into_a_cuda_engine(tmp_path):
         assert first.checked and second.checked
         assert transport.last_manifest.base_version == 1
         assert second.payload_bytes < first.payload_bytes
-        # staged on the GPU (it has room): apply's pause is a device-to-device copy
+        # staged on the GPU (it has room): apply swaps device pointers or copies device to device
         free, total = torch.cuda.mem_get_info(0)
         assert transport.staged_on == ["cuda:0"], (transport.staged_on, f"free {free / 2**30:.1f} "
                                                    f"of {total / 2**30:.1f} GiB")
         assert "staged on cuda:0" in (tmp_path / "engine.log").read_text()
+        # never paused; with captured decode graphs every weight is copied (a replay reads the
+        # addresses it captured), eager the whole weights are swapped in (6 per layer + 2)
+        assert second.pause_s == second.paused_s == 0.0
+        [applied] = transport.applied
+        assert applied["swapped"] == (0 if graphs else 6 * MODEL["num_hidden_layers"] + 2), applied
+        assert applied["swapped"] + applied["copied"] == second.tensors
+        # and it still generates, on the checked weights
+        client = EngineClient(engine.url)
+        try:
+            out = await client.generate([5, 17, 42], {"max_new_tokens": 8})
+        finally:
+            await client.close()
+        assert len(out.output_ids) == 8 and out.weight_version == "2"
         await publisher.close()
         transport.close()
     finally:

@@ -212,20 +212,25 @@ async def test_a_transfer_that_overruns_is_abandoned(engines):
     await pub.close()
 
 
-async def test_prepare_while_serving_then_pause_only_for_the_swap(engines):
+async def test_prepare_and_commit_while_serving_never_pause(engines):
     fakes, log = engines
     tr = Recording(log, pause_during_transfer=False)
     pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
     report = await pub.publish(2, run_update(tr, 2))
-    assert steps(log) == ["begin", "bucket", "finish", "prepare", "pause_generation", "commit",
-                          "update_weight_version", "continue_generation"]
-    assert report.prepare_s > 0
+    assert steps(log) == ["begin", "bucket", "finish", "prepare", "commit", "update_weight_version"]
+    assert report.prepare_s > 0 and report.paused_s == 0.0
+    # A commit that sets the version itself (disk_delta's, under the engine's step lock) is all.
+    log.clear()
+    tr.sets_version = True
+    await pub.publish(3, run_update(tr, 3))
+    assert steps(log) == ["begin", "bucket", "finish", "prepare", "commit"]
     # A refused prepare changes nothing and never pauses.
     log.clear()
     tr.fail_at = "prepare"
     with pytest.raises(WeightPublishError) as err:
-        await pub.publish(3, run_update(tr, 3))
+        await pub.publish(4, run_update(tr, 4))
     assert err.value.step == "prepare" and "nothing was changed" in str(err.value)
+    assert "never paused" in str(err.value)
     assert steps(log) == ["begin", "bucket", "finish", "prepare", "abandon"]
     await pub.close()
 
@@ -345,10 +350,15 @@ async def test_a_gated_transfer_stalls_only_for_what_outlasts_the_pause(engines)
 
 async def test_disk_delta_stalls_for_the_swap_only(engines):
     fakes, log = engines
+    for f in fakes:  # were they asked, these would show in the stall
+        f.delay = {"/pause_generation": 0.3, "/continue_generation": 0.3}
     tr = Slow(log, transfer_s=0.2, load_s=0.1, pause_during_transfer=False)
+    tr.sets_version = True
     pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
     m = assert_stall_adds_up(await pub.publish(1, run_update(tr)))
     assert m["weights/transfer_s"] == 0.0 and 0.1 <= m["weights/load_s"] < 0.25  # commit
+    assert m["weights/pause_s"] == m["weights/resume_s"] == 0.0  # never paused
+    assert m["weights/stall_s"] == pytest.approx(m["weights/load_s"] + m["weights/version_s"])
     assert m["weights/background_s"] >= 0.2  # transfer (and prepare) while serving
     assert m["weights/stall_s"] < m["weights/publish_s"] - 0.15
     await pub.close()

@@ -5,25 +5,43 @@
     {"phase": "discard"}                                       drop what was prepared
 
 Answers `{"success", "message", ...}` like SGLang's update endpoints; 400 with the reason when a
-phase is refused. The delta format is miles/weights/delta_format.py.
+phase is refused. The delta format is miles/weights/delta_format.py. `apply` answers `swapped`
+and `copied` (how many weights each way), `swap_s` (how long it held the scheduler's step lock:
+what generation waited) and `in_flight_requests` (requests that crossed the update).
 
 Design decisions:
-- Two phases so the pause covers only the swap: `prepare` reads the manifest, decompresses each
-  tensor, XORs it with the engine's current bytes and checks the new tensor's sha256, all on a
-  worker thread while the scheduler keeps generating. `apply` takes the step lock and copies the
-  staged tensors in (one copy per weight).
+- Generation never stops for a delta. `prepare` reads the manifest, decompresses each tensor,
+  XORs it with the engine's current bytes and checks the new tensor's sha256, all on a worker
+  thread while the scheduler keeps generating. `apply` needs no pause either: it takes the
+  scheduler's step lock, so the swap lands between two steps (as a pause would, minus the round
+  trips); running and queued requests keep their KV (computed by the old weights, as with
+  SGLang's in_place pause) and their next token is the new weights', recorded under the new
+  version in their `weight_versions` spans: the version is set under the same lock, with the
+  swap, so no token is ever attributed to the wrong weights. The publisher sends no pause for
+  this transport (miles/weights/publisher.py).
+- Double-buffered weights: the staged tensors are a second copy of the changed weights. At
+  `apply` a staged tensor simply becomes the live weight where it can (`Weights.swap_in`: a
+  whole tensor of its own, same shape, dtype and device; the old one is freed), so the swap
+  costs a pointer per weight and no bytes move. The rest are copied in (one copy per weight):
+  slices of fused tensors (q/k/v, gate/up, experts), weights held in FP8 or quantized, tensors
+  staged on the host for a GPU engine, and everything once a CUDA graph has captured the
+  weights' addresses (the embedded engine captures decode graphs on CUDA unless
+  --disable-cuda-graph; a replay would read the freed tensor) or a colocated trainer has the
+  weights' storages by CUDA IPC (`/ipc_weight_targets`; it would write into the old ones).
+  `apply` says how many went each way and logs it.
 - Staged on the device when it can hold them: on CUDA, when free memory exceeds the delta's
   bytes by `DEVICE_HEADROOM_BYTES`, `prepare` also moves each verified tensor to the GPU (on its
-  own stream, while generation runs), so `apply`'s pause is a device-to-device copy at HBM speed
-  instead of a host-to-device copy over PCIe (~50x shorter). Otherwise, and on CPU, they wait in
-  host memory. `prepare`'s answer says where (`staged_on`).
+  own stream, while generation runs), so `apply` swaps pointers or copies device to device at
+  HBM speed instead of host to device over PCIe (~50x shorter). Otherwise, and on CPU, they wait
+  in host memory. `prepare`'s answer says where (`staged_on`).
 - Nothing is changed until every tensor of the delta has been verified: a corrupted, truncated or
   mismatched delta is refused in `prepare` and the engine keeps serving the version it has.
 - A delta names its base version; `prepare` refuses one whose base is not the version this
   engine serves (and each XOR entry also checks the base bytes' sha256). `apply` refuses if any
   other update changed the weights after `prepare` (the server's `weights_serial`).
 - Staging costs one copy of the changed tensors (device or host) for as long as the delta is
-  prepared.
+  prepared; after `apply` the swapped ones are the weights and only the copied ones' staging
+  is freed.
 """
 
 from __future__ import annotations
@@ -157,7 +175,11 @@ class DeltaUpdates:
                          f"{staged.version}")
         sch = srv.scheduler
         weights = srv.runner.model.weights
+        graphs = srv.runner.graphs
+        # a captured decode graph replays the old addresses; a colocated trainer writes into them
+        allow_swap = (graphs is None or graphs.captured == 0) and srv._ipc_targets is None
         async with sch.step_lock:
+            t0 = time.perf_counter()
             await sch.run_compute(srv.groups.complete_pending, weights)
             if srv.weights_serial != staged.serial:
                 self.staged = None
@@ -165,18 +187,29 @@ class DeltaUpdates:
                              "(another update ran); prepare again")
 
             def swap():
+                if weights.device.type == "cuda":
+                    # every step that read the old weights is done before they can be freed
+                    torch.cuda.synchronize(weights.device)
                 with torch.no_grad():
-                    for name, t in staged.tensors:
-                        weights.copy_in(name, t)
+                    swapped = weights.swap_in(staged.tensors, allow_swap=allow_swap)
                 if weights.device.type == "cuda":
                     torch.cuda.synchronize(weights.device)
+                return swapped
 
             try:
-                await sch.run_compute(swap)
+                swapped = await sch.run_compute(swap)
             finally:
                 sch.flush_prefix_cache()  # cached KV was computed with the old weights
             srv.weights_serial += 1
             sch.weight_version = b.weight_version or str(staged.version)
             self.staged = None
-        return _json({"success": True, "message": f"Applied delta v{staged.version}.",
-                      "num_paused_requests": len(sch.running) + len(sch.waiting)})
+            in_flight = len(sch.running) + len(sch.waiting)
+            swap_s = time.perf_counter() - t0
+        n, n_swapped = len(staged.tensors), len(swapped)
+        log.info("delta v%s applied in %.1f ms between two steps: %d tensors swapped in, %d copied; "
+                 "%d requests in flight continue on it", staged.version, 1e3 * swap_s, n_swapped,
+                 n - n_swapped, in_flight)
+        return _json({"success": True, "swapped": n_swapped, "copied": n - n_swapped,
+                      "swap_s": swap_s, "in_flight_requests": in_flight,
+                      "message": f"Applied delta v{staged.version}: {n_swapped} tensors swapped in, "
+                                 f"{n - n_swapped} copied, in {1e3 * swap_s:.1f} ms."})

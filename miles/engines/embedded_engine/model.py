@@ -299,12 +299,60 @@ class Weights:
                              f"{tuple(dst.shape)}")
         dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype), non_blocking=False)
 
+    def swap_in(self, named: list[tuple[str, torch.Tensor]], *, allow_swap: bool = True) -> list[str]:
+        """Update each weight of `named` by making the given tensor the live one where it can
+        (double buffering: the new tensor becomes the weight, the old one is freed once nothing
+        holds it), else by `copy_in`. Returns the names that were swapped.
+
+        A swap needs the live weight to be a whole tensor of its own: not a slice of a fused one
+        (q/k/v, gate/up, per-expert views), nothing else viewing its storage, not quantized or
+        held in FP8, not a TP slice; and the new tensor to match it in shape, dtype and device
+        and be contiguous. `allow_swap=False` (a CUDA graph captured the weights' addresses, or a
+        colocated trainer writes into them) copies everything. Every reference the forward and
+        `lookup` read (`names`, `aliases`, each layer's dict, `embed` / `lm_head` / `final_norm`)
+        is redirected, so a tied embedding stays tied."""
+        slots: dict[int, list[tuple[dict, str]]] = {}  # id(tensor) -> where it is referenced
+        users: dict[int, set[int]] = {}               # storage address -> ids of tensors over it
+        containers = [self.names, self.aliases, *self.layers, self.__dict__]
+        for box in containers:
+            for key, t in list(box.items()):
+                if box is self.__dict__ and key not in ("embed", "lm_head", "final_norm"):
+                    continue
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                    continue
+                slots.setdefault(id(t), []).append((box, key))
+                users.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+        swapped = []
+        for name, new in named:
+            live = self.lookup(name) if allow_swap and self.quant is None and self.tp_size == 1 \
+                and name not in self.fp8 and name not in self.not_held else None
+            if live is not None and _whole(live) and _whole(new) and new.shape == live.shape \
+                    and new.dtype == live.dtype and new.device == live.device \
+                    and users.get(live.untyped_storage().data_ptr()) == {id(live)} \
+                    and new.untyped_storage().data_ptr() not in users:
+                held = slots.pop(id(live))
+                for box, key in held:
+                    box[key] = new
+                slots[id(new)] = held
+                del users[live.untyped_storage().data_ptr()]
+                users[new.untyped_storage().data_ptr()] = {id(new)}
+                swapped.append(name)
+            else:
+                self.copy_in(name, new)
+        return swapped
+
     def numel(self) -> int:
         return sum(t.numel() for t in self.names.values())
 
     def nbytes(self) -> int:
         plain = sum(t.numel() * t.element_size() for n, t in self.names.items() if n not in self.fp8)
         return plain + sum(r.weight.numel() + 4 * r.scale_inv.numel() for r in self.fp8.values())
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """`t` is all of its storage, contiguous: replacing the tensor replaces the storage."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def check_tp_split(shape: ModelShape, tp: int) -> None:
