@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "miles_packed"
 
 _varlen_fn = None       # set by enable_varlen_kernel() after a successful probe
+_varlen_qk = False      # ... and whether it is bottom-right causal for unequal q/k (context parallel)
 _varlen_params: set[str] = set()
 
 
@@ -93,6 +94,33 @@ def _varlen(query, key, value, cu_seqlens, max_len, scaling):
 def varlen_causal(q, k, v, cu_seqlens, max_len, scaling):
     """Causal attention within each sequence of a packed batch: q [T, Hq, D], k/v [T, Hkv, D],
     `cu_seqlens` int32 [B + 1] -> [T, Hq, D]. Only after `enable_varlen_kernel` returned True."""
+    return _varlen_call(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scaling)
+
+
+def varlen_qk_ready() -> bool:
+    """Whether `varlen_causal_qk` may run: the varlen kernel is in use and the start-up probe found
+    it causal bottom-right for queries shorter than their keys."""
+    return _varlen_fn is not None and _varlen_qk
+
+
+def varlen_causal_qk(q, k, v, cu_q, cu_k, max_q, max_k, scaling):
+    """Causal attention of each query segment against its key segment, the queries being the LAST
+    positions of their keys (bottom-right aligned): q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D]."""
+    return _varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, scaling)
+
+
+def lower_right_causal(q, k, v, scaling):
+    """The reference for one segment of `varlen_causal_qk`: q [nq, Hq, D], k/v [nk, Hkv, D]."""
+    nq, nk = q.shape[0], k.shape[0]
+    mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
+    qh, kh, vh = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))   # [1, H, n, D]
+    rep = qh.shape[1] // kh.shape[1]
+    if rep > 1:
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scaling)[0].permute(1, 0, 2)
+
+
+def _varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, scaling):
     kw = {"scale": scaling}
     if "window_size" in _varlen_params:
         kw["window_size"] = (-1, 0)   # (-1, 0) is causal in the window_size form
@@ -104,7 +132,7 @@ def varlen_causal(q, k, v, cu_seqlens, max_len, scaling):
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _varlen_fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
+    return _varlen_fn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
 def register() -> str:
@@ -117,8 +145,8 @@ def register() -> str:
 
 def enable_varlen_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     """Use torch's FlashAttention varlen kernel if it exists here and matches the reference path."""
-    global _varlen_fn, _varlen_params
-    _varlen_fn = None
+    global _varlen_fn, _varlen_params, _varlen_qk
+    _varlen_fn, _varlen_qk = None, False
     if device.type != "cuda":
         return False
     try:
@@ -136,6 +164,13 @@ def enable_varlen_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     if ok:
         _varlen_fn, _varlen_params = varlen_attn, candidate_params
         log.info("packed attention: using torch varlen_attn")
+        try:
+            _varlen_qk = _probe_qk(device, dtype)
+        except Exception as exc:
+            log.warning("packed attention: varlen_attn with unequal q/k lengths failed its probe "
+                        "(%s: %s); context parallel attention uses per-segment sdpa",
+                        type(exc).__name__, exc)
+            _varlen_qk = False
     else:
         log.warning("packed attention: varlen_attn disagrees with sdpa; using per-sample sdpa")
     return ok
@@ -155,6 +190,27 @@ def _probe(fn, params, device, dtype) -> bool:
         got = _varlen(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])), None)
     finally:
         _varlen_fn, _varlen_params = None, set()
+    grads_ref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    grads_got = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+    return rel(got, ref) < tol and all(rel(a, b) < tol for a, b in zip(grads_got, grads_ref))
+
+
+def _probe_qk(device, dtype) -> bool:
+    """Whether the varlen kernel computes `lower_right_causal` per segment (value and gradient)."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    seg_q, seg_k = [0, 16, 40, 41], [0, 48, 80, 130]   # queries are the last positions of their keys
+    q = torch.randn(seg_q[-1], 4, 64, generator=gen).to(device, dtype).requires_grad_()
+    k, v = (torch.randn(seg_k[-1], 2, 64, generator=gen).to(device, dtype).requires_grad_()
+            for _ in range(2))
+    ref = torch.cat([lower_right_causal(q[a:b], k[c:e], v[c:e], None)
+                     for a, b, c, e in zip(seg_q, seg_q[1:], seg_k, seg_k[1:])])
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device=device) for x in (seg_q, seg_k))
+    got = varlen_causal_qk(q, k, v, cu_q, cu_k, 24, 50, None)
     grads_ref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
     grads_got = torch.autograd.grad(got.float().square().sum(), (q, k, v))
     tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4

@@ -52,9 +52,11 @@ Design decisions:
   As in FSDP, init builds the teacher (`train.teacher_model_path` is required) unless the rollout
   side scores every sample (`[teacher]`, `train.teacher_from_samples`); R3 replays the policy's
   routing only (not the critic's or the teacher's).
-- Refused: LoRA (`train.lora`; FSDP only for now) and context parallelism (below).
+- Refused: LoRA (`train.lora`; FSDP only for now).
 - Transformer Engine is not required (local spec): sequence parallelism runs on our norms (on with TP > 1,
-  as in megatron; MoE with TP needs it); context parallelism needs TE and is refused.
+  as in megatron; MoE with TP needs it), and context parallelism is ours (megatron_cp.py: each
+  row cut into 2 x cp chunks, K/V all-gathered per layer; every CP rank computes the whole
+  micro-batch's loss from the gathered log-probs). The PPO critic refuses both.
 - R3 (`train.router_replay`): megatron-core's RouterReplay per MoE layer, per model
   (megatron_replay.py); the old/ref passes replay forward, the training pass replays forward and
   recompute. A rank that trains a sample without its routing refuses the batch (all ranks raise
@@ -75,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 from miles.algo import LossConfig
-from miles.backends import megatron_algos, megatron_checkpoint, megatron_step, train_common
+from miles.backends import megatron_algos, megatron_checkpoint, megatron_cp, megatron_step, train_common
 from miles.backends.base import MAIN_PHASE, Metrics, RankInfo, TrainingBackend, TrainPhase
 from miles.backends.batch import CheckedBatch
 from miles.backends.config import TrainConfig, trainer_dp_layout
@@ -148,6 +150,7 @@ class MegatronBackend(TrainingBackend):
             raise RuntimeError(f"megatron put rank {rank.rank} at DP index {self.dp_rank}, but "
                                f"trainer_dp_layout says {expected}; the rank orders disagree")
         self.tp = ps.get_tensor_model_parallel_world_size()
+        self.cp, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         self.vocab_size = int(load_hf_config(config.model_path).vocab_size)
         use_ref = train_common.use_ref_model(config, loss)
         self.chunks = self._build(config.model_path, trainable=True)
@@ -347,7 +350,8 @@ class MegatronBackend(TrainingBackend):
             return sum(batch.lengths[i] for i in mb) if mb else 2  # a dummy is two tokens
 
         cfg0 = self._model_config(self.chunks)
-        multiple = self.tp if cfg0.sequence_parallel else 1
+        multiple = megatron_cp.cp_chunk_multiple(self.cp, self.tp if cfg0.sequence_parallel else 1) \
+            if self.cp > 1 else (self.tp if cfg0.sequence_parallel else 1)
         round_up = lambda n: -(-n // multiple) * multiple
         fixed = not cfg0.variable_seq_lengths and (ps.get_pipeline_model_parallel_world_size() > 1
                                                    or ps.get_expert_model_parallel_world_size() > 1)
@@ -378,13 +382,23 @@ class MegatronBackend(TrainingBackend):
             k, mb, length = next(data_iterator)
             ids, pos, seq_lens = megatron_step.padded_row(mb, length)
             params = make_packed_seq_params(seq_lens, self.device)
-            self._rows = mb.inputs.logprob_rows
+            rows, layout = mb.inputs.logprob_rows, None
+            if self.cp > 1:   # this CP rank's share of the row (megatron_cp.py)
+                layout = megatron_cp.cp_layout(seq_lens, self.cp, self.cp_rank, self.device)
+                ids, pos = ids[:, layout.local_index], pos[:, layout.local_index]
+                megatron_cp.attach(params, layout)
+                mine, rows = megatron_cp.response_rows(layout, rows)
+            self._rows = rows
             if replay is not None:
-                replay.set_micro_batch(indices[k] if indices is not None else None, length, stage=stage)
+                replay.set_micro_batch(indices[k] if indices is not None else None, length, stage=stage,
+                                       local_index=layout.local_index_host if layout is not None else None)
             output = model(ids, pos, None, packed_seq_params=params)
 
             def loss_func(output_tensor):
-                logp, ent = (output_fn or self._token_logprobs)(output_tensor, mb)
+                if layout is None or output_fn is not None:   # the critic refuses cp > 1
+                    logp, ent = (output_fn or self._token_logprobs)(output_tensor, mb)
+                else:
+                    logp, ent = self._token_logprobs(output_tensor, mb, rows, mine)
                 if loss_for is None:
                     collected.append(logp.detach())
                     return output_tensor.sum() * 0.0, one, {}
@@ -412,19 +426,29 @@ class MegatronBackend(TrainingBackend):
         out = self._run(chunks, [(k, mb, lengths[k]) for k, mb in enumerate(mbs)], routing=routing)
         return out if ps.is_pipeline_last_stage() else None
 
-    def _token_logprobs(self, output: torch.Tensor, mb: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies of the micro-batch's response tokens from the last stage's logits."""
+    def _token_logprobs(self, output: torch.Tensor, mb: PackedMicroBatch, rows: torch.Tensor | None = None,
+                        mine: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the micro-batch's response tokens from the last stage's logits.
+        Under context parallelism `rows` are this rank's log-prob rows (local token indices) and
+        `mine` their places among the micro-batch's; every CP rank gets the whole micro-batch's."""
         from megatron.core import parallel_state as ps
 
+        rows = mb.inputs.logprob_rows if rows is None else rows
+        targets = mb.inputs.targets if mine is None else mb.inputs.targets.index_select(0, mine)
         # the policy and the reference are built alike, so either both heads pick rows or neither
-        logits = output[0] if self._heads_pick_rows else output[0].index_select(0, mb.inputs.logprob_rows)
+        logits = output[0] if self._heads_pick_rows else output[0].index_select(0, rows)
         if self.tp == 1:
-            return token_logprobs(logits[:, :self.vocab_size], mb.inputs.targets,
-                                  temperature=self.cfg.temperature, chunk_bytes=self.cfg.logprob_chunk_bytes)
-        start = ps.get_tensor_model_parallel_rank() * logits.shape[1]
-        return megatron_step.vocab_parallel_logprobs(
-            logits, mb.inputs.targets, vocab_start=start, vocab_size=self.vocab_size,
-            temperature=self.cfg.temperature, group=ps.get_tensor_model_parallel_group())
+            logp, ent = token_logprobs(logits[:, :self.vocab_size], targets, temperature=self.cfg.temperature,
+                                       chunk_bytes=self.cfg.logprob_chunk_bytes)
+        else:
+            start = ps.get_tensor_model_parallel_rank() * logits.shape[1]
+            logp, ent = megatron_step.vocab_parallel_logprobs(
+                logits, targets, vocab_start=start, vocab_size=self.vocab_size,
+                temperature=self.cfg.temperature, group=ps.get_tensor_model_parallel_group())
+        if mine is None:
+            return logp, ent
+        total = mb.inputs.targets.shape[0]
+        return megatron_cp.gather_rows(logp, mine, total), megatron_cp.gather_rows(ent, mine, total)
 
     def _sum_over_dp(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps

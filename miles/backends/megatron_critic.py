@@ -62,6 +62,9 @@ class MegatronCritic:
     """The value model's chunks, optimizer and step count on one trainer rank (calls are collectives)."""
 
     def __init__(self, backend, cfg: TrainConfig):
+        if backend.cp > 1:
+            raise ValueError(f"algo.advantage_estimator = 'ppo' on Megatron: the critic's value head "
+                             f"needs whole rows; train.megatron.cp={backend.cp} must be 1")
         if backend.chunks[0].config.sequence_parallel:
             raise ValueError("algo.advantage_estimator = 'ppo' on Megatron: the critic's value head needs "
                              "train.megatron.sequence_parallel = false")

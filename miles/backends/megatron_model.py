@@ -21,7 +21,11 @@ Design decisions:
   the GPU (measured on an H200: the 1.5B step 1.14 s with 0.84 s of kernels). Ours gathers each
   token's frequencies by its position inside its sample (positions computed on the device from
   cu_seqlens, once per micro-batch) and applies megatron's own bshd rotation once: the same
-  arithmetic per token, no sync. Context parallelism and fused rope keep megatron's path.
+  arithmetic per token, no sync. Under context parallelism the positions come with the row's
+  layout (megatron_cp.py); fused rope keeps megatron's path.
+- Context parallelism is ours too (megatron_cp.py: all-gather K/V, row-level zigzag chunks), in
+  the local spec only; the TE spec's CP expects TE's own per-sample layout, so cp > 1 builds the
+  local spec and `use_te = true` with it is refused.
 - SwiGLU is megatron's fused one (`bias_activation_fusion`, torch.compile'd) on CUDA; the CPU keeps
   the eager ops.
 - RL settings are the defaults: dropout 0, no MoE aux loss (`moe_router_load_balancing_type =
@@ -48,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.backends import attention as miles_attention
+from miles.backends import megatron_cp
 from miles.backends.base import RankInfo
 from miles.backends.config import TrainConfig
 from miles.backends.megatron_cpu import apply_cpu_shims, cpu_only
@@ -111,9 +116,7 @@ def transformer_config_from_hf(hf_config, train_cfg: TrainConfig):
     if getattr(hf, "use_sliding_window", False):
         raise ValueError(f"model_type={mt!r}: use_sliding_window=true is not supported")
     m = train_cfg.megatron
-    if m.cp > 1 and not _te_wanted(train_cfg):
-        raise ValueError(f"train.megatron.cp={m.cp} needs Transformer Engine attention "
-                         "(the local spec has no context-parallel attention)")
+    _te_wanted(train_cfg)   # refuses use_te=true with cp > 1 by name
     dtype = _DTYPES[train_cfg.param_dtype]
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -179,7 +182,12 @@ def transformer_config_from_hf(hf_config, train_cfg: TrainConfig):
 
 
 def _te_wanted(train_cfg: TrainConfig) -> bool:
-    use_te = train_cfg.megatron.use_te
+    use_te, cp = train_cfg.megatron.use_te, train_cfg.megatron.cp
+    if cp > 1:   # our context-parallel attention lives in the local spec (megatron_cp.py)
+        if use_te:
+            raise ValueError(f"train.megatron.cp={cp} with use_te=true: context parallelism runs on "
+                             "Miles' own attention in the local layer spec; set use_te = false")
+        return False
     if use_te is False:
         return False
     try:
@@ -213,6 +221,9 @@ def _make_packed_core_attention():
             if attention_bias is not None:
                 raise ValueError("PackedCoreAttention: attention_bias is not supported")
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                layout = getattr(packed_seq_params, "miles_cp", None)
+                if layout is not None:
+                    return megatron_cp.cp_attention(query, key, value, layout, self.softmax_scale)
                 return _thd_attention(query, key, value, packed_seq_params, self.softmax_scale)
             if packed_seq_params is not None:
                 raise ValueError(f"PackedCoreAttention: qkv_format={packed_seq_params.qkv_format!r}; "
@@ -323,13 +334,19 @@ def _thd_rope(original):
     from megatron.core.models.common.embeddings import rope_utils
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
+        # context parallel (megatron_cp.py): this rank's tokens' positions inside their samples
+        positions = getattr(cu_seqlens, "miles_positions", None)
         cp = cp_group.size() if cp_group is not None else parallel_state.get_context_parallel_world_size()
-        if cu_seqlens is None or config.apply_rope_fusion or cp != 1 or kw.get("mla_rotary_interleaved"):
+        if (cu_seqlens is None or config.apply_rope_fusion or kw.get("mla_rotary_interleaved")
+                or (cp != 1 and positions is None)):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kw)
         total = t.shape[0]
-        # megatron's two cases: freqs for every packed position (offsets continue), or for the
-        # longest sample (positions restart per sample)
-        f = freqs[:total] if freqs.shape[0] == total else freqs[_sample_positions(cu_seqlens, total)]
+        if positions is not None:
+            f = freqs[positions]
+        else:
+            # megatron's two cases: freqs for every packed position (offsets continue), or for the
+            # longest sample (positions restart per sample)
+            f = freqs[:total] if freqs.shape[0] == total else freqs[_sample_positions(cu_seqlens, total)]
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1), f, rotary_interleaved=config.rotary_interleaved, mscale=mscale).squeeze(1)
 

@@ -21,7 +21,8 @@ Design decisions:
   megatron's `TransformerLayer.layer_number` is global (1-based, the PP offset included), so a
   pipeline stage picks its own layers with no offset arithmetic here. Rows follow the tokens: the
   row is padded with sentinel rows to the length the schedule runs it at, and sliced per TP rank
-  under sequence parallelism. Context parallelism is refused by the backend (it needs TE).
+  under sequence parallelism; under context parallelism the rank's tokens are picked first
+  (`local_index`, megatron_cp.py's row chunks).
 - Stages (upstream's actions): no-grad passes (old / ref log-probs) = REPLAY_FORWARD, the current
   target only; the training pass = REPLAY_BACKWARD: a checkpointed layer's first forward runs
   under no_grad and queues its target, its recompute (grad on, queue not empty) pops the oldest,
@@ -135,9 +136,11 @@ class MegatronReplay:
                 replays.append(router.router_replay)
         return self if replays else None
 
-    def set_micro_batch(self, indices: torch.Tensor | None, length: int, *, stage) -> None:
+    def set_micro_batch(self, indices: torch.Tensor | None, length: int, *, stage,
+                        local_index: torch.Tensor | None = None) -> None:
         """Route the coming forward of one micro-batch (row padded to `length`) by `indices`
-        [T, L, k] (None: native, nothing measured). `stage`: OFF (measure only), NO_GRAD, TRAIN."""
+        [T, L, k] (None: native, nothing measured). `stage`: OFF (measure only), NO_GRAD, TRAIN.
+        `local_index`: the row positions this context-parallel rank holds (megatron_cp.py)."""
         from megatron.core import parallel_state as ps
 
         if indices is None:
@@ -151,7 +154,7 @@ class MegatronReplay:
         # one copy per micro-batch, not one per layer
         tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()) \
             if self.sequence_parallel else (0, 1)
-        rows = rows_for(indices, length, *tp).to(self.device, non_blocking=True)
+        rows = rows_for(indices, length, *tp, local_index=local_index).to(self.device, non_blocking=True)
         for r in self.replays:
             r.target_topk_idx = rows[:, r.layer]
             r.measure = stage is TRAIN or stage is OFF
@@ -181,15 +184,20 @@ class MegatronReplay:
         return HFRouterReplay.metrics_from_sums(dict(zip(COUNTERS, vec.tolist())))
 
 
-def rows_for(indices: torch.Tensor, length: int, tp_rank: int = 0, tp_size: int = 1) -> torch.Tensor:
+def rows_for(indices: torch.Tensor, length: int, tp_rank: int = 0, tp_size: int = 1,
+             local_index: torch.Tensor | None = None) -> torch.Tensor:
     """The replay rows of this rank's tokens: padded with sentinel rows to the scheduled row
-    length (megatron_step.padded_row pads the tokens so), then TP rank `tp_rank`'s contiguous
+    length (megatron_step.padded_row pads the tokens so), then this CP rank's tokens
+    (`local_index`, megatron_cp.py) in their local order, then TP rank `tp_rank`'s contiguous
     sequence slice under sequence parallelism (tp_size > 1), as megatron scatters the tokens."""
     extra = length - indices.shape[0]
     if extra < 0:
         raise ValueError(f"router replay: {indices.shape[0]} routing rows for a row of {length} tokens")
     if extra:
         indices = torch.cat([indices, indices.new_full((extra, *indices.shape[1:]), -1)])
+    if local_index is not None:
+        indices = indices.index_select(0, local_index.to(indices.device))
+        length = indices.shape[0]
     if tp_size > 1:
         if length % tp_size:
             raise ValueError(f"router replay: row of {length} tokens is not a multiple of TP = {tp_size}")

@@ -1,6 +1,6 @@
 """One trainer rank of the Megatron R3 tests (launched by backend_helpers.run_ranks).
 
-    python megatron_r3_worker.py r3:<tp>,<pp>,<ep> <out.json>   (TP > 1: sequence parallel)
+    python megatron_r3_worker.py r3:<tp>,<pp>,<ep>[,cp2] <out.json>   (TP > 1: sequence parallel)
     python megatron_r3_worker.py dense <out.json>      (train.router_replay on a dense model)
 
 The recorded routing of every token is a function of (token id, position, layer) that the model's
@@ -52,9 +52,15 @@ def with_routing(samples, layers: int):
 
 
 class Probe(MegatronBackend):
-    """Checks the experts each token reaches against the record, and keeps the router gradients."""
+    """Checks the experts each token reaches against the record, and keeps the router gradients.
+
+    The whole padded row (megatron_step.padded_row) and, under context parallelism, the rank's
+    layout (megatron_cp.attach) are caught as the backend builds each micro-batch, so every token
+    a router sees is checked at its row position, whichever CP / SP slice holds it."""
 
     def init(self, *args, **kwargs):
+        from miles.backends import megatron_cp, megatron_step
+
         super().init(*args, **kwargs)
         from megatron.core.transformer.moe.router import TopKRouter
 
@@ -62,41 +68,55 @@ class Probe(MegatronBackend):
         self.slices: set[tuple[int, int]] = set()   # (first token, tokens) each router call saw
         self.router_grads: list[float] = []
         self.real = set()       # token tuples of real samples (the padding segment is none)
-        self._ids = None
+        self._row = self._layout = None
+        padded_row, attach = megatron_step.padded_row, megatron_cp.attach
+
+        def remember_row(mb, length):
+            ids, pos, seq_lens = padded_row(mb, length)
+            self._row, self._layout = (ids[0].tolist(), pos[0].tolist(), seq_lens), None
+            return ids, pos, seq_lens
+
+        def remember_layout(params, layout):
+            self._layout = layout
+            return attach(params, layout)
+
+        megatron_step.padded_row, megatron_cp.attach = remember_row, remember_layout
         for chunk in self.chunks:
-            chunk.module.register_forward_pre_hook(self._remember_ids, with_kwargs=True)
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
                     module.register_forward_hook(self._check)
 
-    def _remember_ids(self, module, args, kwargs):
-        self._ids = (args[0][0].tolist(), args[1][0].tolist())
-
     def _check(self, router, args, output):
-        if router.router_replay.last_recompute:   # ids are another micro-batch's by then
+        from megatron.core import parallel_state as ps
+
+        if router.router_replay.last_recompute:   # the row is another micro-batch's by then
             return
         _, routing_map = output
-        ids, pos = self._ids
+        ids, pos, seq_lens = self._row
         layer = router.router_replay.layer
-        # Under sequence parallelism this TP rank's router sees only its slice of the row's tokens.
+        held = self._layout.local_index_host.tolist() if self._layout is not None else list(range(len(ids)))
+        # Under sequence parallelism this TP rank's router sees only its slice of the held tokens.
         n = routing_map.shape[0]
         first = 0
         if router.config.sequence_parallel:
-            from megatron.core import parallel_state as ps
-            assert n * ps.get_tensor_model_parallel_world_size() == len(ids), (n, len(ids))
+            assert n * ps.get_tensor_model_parallel_world_size() == len(held), (n, len(held))
             first = ps.get_tensor_model_parallel_rank() * n
         else:
-            assert n == len(ids), (n, len(ids))
-        self.slices.add((first, n))
-        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
-        for a, b in zip(starts, starts[1:]):
-            if tuple(ids[a:b]) not in self.real:
+            assert n == len(held), (n, len(held))
+        self.slices.add((first, n, held[first]))
+        bounds = list(itertools.accumulate(seq_lens, initial=0))
+        sample_of = {}
+        for a, b in zip(bounds, bounds[1:]):
+            real = tuple(ids[a:b]) in self.real
+            sample_of.update({t: (real, b) for t in range(a, b)})
+        for i in range(n):
+            row = held[first + i]
+            real, end = sample_of[row]
+            if not real or row == end - 1:   # padding, or a last token (no record: native routing)
                 continue
-            # the last token has no record (sentinel: native routing)
-            for t in range(max(a, first), min(b - 1, first + n)):
-                got = tuple(routing_map[t - first].nonzero().flatten().tolist())
-                self.checked += 1
-                self.matched += got == recorded_set(ids[t], pos[t], layer)
+            got = tuple(routing_map[i].nonzero().flatten().tolist())
+            self.checked += 1
+            self.matched += got == recorded_set(ids[row], pos[row], layer)
 
     def train(self, samples, phase=None):
         self.real = {tuple(int(x) for x in s.tokens) for s in samples}
@@ -119,15 +139,16 @@ def run(cfg, rank, loss, samples) -> dict:
            "calls": sum(r.calls for r in backend.replay.replays),
            "layers": sorted(r.layer for r in backend.replay.replays),
            "sequence_parallel": backend.chunks[0].config.sequence_parallel,
-           "offset_slices": sum(first > 0 for first, _ in backend.slices)}
+           "offset_slices": sum(first > 0 for first, _, _ in backend.slices),
+           "cp_slices": sum(row != first for first, _, row in backend.slices)}
     return out, backend
 
 
-def r3(tp: int, pp: int, ep: int, out: Path) -> None:
+def r3(tp: int, pp: int, ep: int, out: Path, cp: int = 1) -> None:
     rank = RankInfo.from_env()
     path = str(build_tiny_model(arch="qwen3_moe"))
     layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep)   # sequence parallel with TP > 1 (megatron's default)
+    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep, cp=cp)   # sequence parallel with TP > 1 (megatron's default)
     grpo = LossConfig(advantage_estimator="grpo", loss_reduction="rollout")
     samples = with_routing(make_samples(groups=2, per_group=4, siblings=2, seed=3), layers)
     base = TrainConfig(backend="megatron", model_path=path, param_dtype="float32", lr=1e-3,
@@ -171,7 +192,8 @@ if __name__ == "__main__":
     scenario, out_path = sys.argv[1], Path(sys.argv[2])
     kind, _, sizes = scenario.partition(":")
     if kind == "r3":
-        r3(*(int(x) for x in sizes.split(",")), Path(out_path))
+        tp, pp, ep, *flags = sizes.split(",")
+        r3(int(tp), int(pp), int(ep), Path(out_path), cp=2 if "cp2" in flags else 1)
     elif kind == "dense":
         dense(Path(out_path))
     else:

@@ -1,6 +1,6 @@
 """One trainer rank of the multi-rank Megatron backend tests (launched by backend_helpers.run_ranks).
 
-    python megatron_worker.py layout:<arch>:<tp>,<pp>,<ep>[,sp] <out.json>   (sp: sequence parallel)
+    python megatron_worker.py layout:<arch>:<tp>,<pp>,<ep>[,sp][,cp2] <out.json>   (sequence / context parallel)
     python megatron_worker.py engine:<arch>:<tp>,<pp>,<ep> <out.json>     (ENGINE_URL in env)
 
 Runs every check of one parallel layout in one process group (start-up dominates on CPU), asserting
@@ -117,12 +117,12 @@ def expect_refusal(backend, samples, *needles):
     raise AssertionError(f"batch was not refused (expected {needles})")
 
 
-def layout(arch: str, tp: int, pp: int, ep: int, out: Path, sp: bool = False) -> None:
+def layout(arch: str, tp: int, pp: int, ep: int, out: Path, sp: bool = False, cp: int = 1) -> None:
     rank = RankInfo.from_env()
     path = str(build_tiny_model(arch=arch))
     tmp = out.parent
     result: dict = {"rank": rank.rank}
-    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
+    mcfg = MegatronConfig(tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp)
     grpo = LossConfig(advantage_estimator="grpo", loss_reduction="rollout")
     samples = make_samples(groups=3, per_group=4, siblings=2, seed=1)
     # The pad token in prompts and responses: HF's padding_idx gives its input embedding no gradient.
@@ -315,7 +315,7 @@ if __name__ == "__main__":
     if kind not in ("layout", "engine"):
         raise SystemExit(f"unknown scenario {scenario!r}")
     tp, pp, ep, *flags = sizes.split(",")
-    kw = {"sp": True} if "sp" in flags else {}
+    kw = {"sp": "sp" in flags, "cp": 2 if "cp2" in flags else 1} if kind == "layout" else {}
     {"layout": layout, "engine": engine}[kind](arch, int(tp), int(pp), int(ep), Path(out_path), **kw)
     dist.barrier()
     from miles.backends.megatron_model import destroy_parallel

@@ -1,5 +1,6 @@
 """The Megatron backend with real processes on gloo: TP=2 (with and without sequence parallelism;
-Qwen3-MoE with it), PP=2 and EP=2 (Qwen3-MoE) each train one
+Qwen3-MoE with it), PP=2, EP=2 (Qwen3-MoE) and context parallelism (CP=2; with EP=2 over the CP
+ranks; and TP=2 x SP x CP=2 on four ranks) each train one
 step whose loss, grad norm and every gradient equal one unsharded, unpacked step of the plain HF
 model (fp32; tolerance below), refuse bad batches on every rank, stream the same tensors as their
 HF export, resume bit-exactly after save -> sleep/wake; weights reach an embedded engine checked
@@ -29,17 +30,19 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 GRAD_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("arch,sizes", [("qwen3", "2,1,1"), ("qwen3", "1,2,1"), ("qwen3_moe", "1,1,2"),
-                                        ("qwen3", "2,1,1,sp"), ("qwen3_moe", "2,1,1,sp")],
-                         ids=["tp2", "pp2", "ep2_moe", "tp2_sp", "tp2_sp_moe"])
-def test_megatron_layout_matches_the_unsharded_step(arch, sizes, tmp_path):
-    ranks = run_ranks(f"layout:{arch}:{sizes}", tmp_path, world_size=2, timeout_s=280, worker=WORKER)
+@pytest.mark.parametrize("arch,sizes,world", [
+    ("qwen3", "2,1,1", 2), ("qwen3", "1,2,1", 2), ("qwen3_moe", "1,1,2", 2),
+    ("qwen3", "2,1,1,sp", 2), ("qwen3_moe", "2,1,1,sp", 2),
+    ("qwen3", "1,1,1,cp2", 2), ("qwen3_moe", "1,1,2,cp2", 2), ("qwen3_moe", "2,1,1,sp,cp2", 4)],
+    ids=["tp2", "pp2", "ep2_moe", "tp2_sp", "tp2_sp_moe", "cp2", "cp2_ep2_moe", "tp2_sp_cp2_moe"])
+def test_megatron_layout_matches_the_unsharded_step(arch, sizes, world, tmp_path):
+    ranks = run_ranks(f"layout:{arch}:{sizes}", tmp_path, world_size=world, timeout_s=400, worker=WORKER)
     zero = ranks[0]
     assert zero["grad_rel_err_max"] < GRAD_RTOL, (zero["grad_rel_err_worst"], zero["grad_rel_err_max"])
     assert zero["grad_norm_rel_err"] < GRAD_RTOL
     assert zero["loss_abs_err"] < 1e-6
     # every rank returns the same metrics, with the FSDP backend's keys
-    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert all(r["metrics"] == ranks[0]["metrics"] for r in ranks)
     for key in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "grad_norm", "lr", "tokens",
                 "train_rollout_logprob_abs_diff", "train_rollout_kl", "skipped_steps", "samples"):
         assert key in zero["metrics"], key

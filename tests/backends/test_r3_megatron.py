@@ -77,18 +77,22 @@ def test_rows_follow_the_padded_and_sequence_parallel_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", ["1,1,2", "1,2,1", "2,1,1"], ids=["ep2", "pp2", "tp2_sp"])
+@pytest.mark.parametrize("sizes", ["1,1,2", "1,2,1", "2,1,1", "1,1,1,cp2", "1,1,2,cp2"],
+                         ids=["ep2", "pp2", "tp2_sp", "cp2", "cp2_ep2"])
 def test_megatron_replays_the_recorded_routing(sizes, tmp_path):
     """Each layout replays every recorded (token, layer) pair. Under TP = 2 with sequence
-    parallelism (megatron requires it for MoE with TP) each TP rank's routers see half of each row's tokens, and the hook checks them at
-    their global positions (rank 1's slice starts mid-row)."""
+    parallelism (megatron requires it for MoE with TP) each TP rank's routers see half of each
+    row's tokens; under CP = 2 each CP rank holds two of a row's four chunks (megatron_cp.py). The
+    hook checks every token at its row position, so an index replayed on the wrong token fails."""
     ranks = run_ranks(f"r3:{sizes}", tmp_path, world_size=2, timeout_s=400, worker=WORKER)
     check_ranks(ranks, pp=sizes == "1,2,1")
-    sp = sizes == "2,1,1"
+    sp, cp = sizes == "2,1,1", sizes.endswith("cp2")
     for r in ranks:
         assert r["on"]["sequence_parallel"] is sp
         assert (r["on"]["offset_slices"] > 0) is (sp and r["rank"] == 1), r["on"]
-    if sp:   # each TP rank checks about half of the tokens
+        # rank 1 of CP holds the row's second chunk first: its tokens are not at their row index
+        assert (r["on"]["cp_slices"] > 0) is (cp and r["rank"] == 1), r["on"]
+    if sp or cp:   # each rank checks about half of the tokens
         checked = [r["on"]["checked"] for r in ranks]
         assert abs(checked[0] - checked[1]) < 0.5 * max(checked), checked
 
