@@ -23,6 +23,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
+from tests.envs.leftovers import left_behind
 from tests.envs.token_checks import model_turns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,8 +109,9 @@ async def test_episodes_score_fail_and_never_stop_the_runner(gym, guarded):
         assert wrong.reward["correctness"] == 0.0 and wrong.reward["schema_valid"] == 1.0, wrong.reward
         refused = await run_agent(gym.agent, {"nemo_gym": {**row, "responses_create_params": {"input": 7}}},
                                   client, group_id="g", rollout_id="g/2")
-        assert "NemoGymError" in refused.error and "HTTP" in refused.error
-        assert all(s.status in ("failed", "aborted") for s in refused.samples)
+        assert "NemoGymError" in refused.error and "HTTP 500" in refused.error, refused.error
+        assert refused.samples and all(s.status == "failed" and s.metadata["agent_error"] == refused.error
+                                       for s in refused.samples), [(s.status, s.metadata) for s in refused.samples]
         await gym.close()
         os.environ["MILES_NEMO_GYM_URL"] = "http://127.0.0.1:9"   # nothing listens there
         try:
@@ -117,7 +119,9 @@ async def test_episodes_score_fail_and_never_stop_the_runner(gym, guarded):
         finally:
             os.environ.pop("MILES_NEMO_GYM_URL")
             await gym.close()
-        assert "ClientConnectorError" in down.error and down.samples[0].status in ("failed", "aborted")
+        assert "ClientConnectorError" in down.error, down.error
+        assert down.samples and all(s.status == "failed" and s.metadata["agent_error"] == down.error
+                                    for s in down.samples), [(s.status, s.metadata) for s in down.samples]
         assert await client.list_sessions() == []
 
 
@@ -195,3 +199,4 @@ def test_nemo_gym_recipe_in_a_real_miles_run(gym_python, tmp_path):
                if "sessions of this run open" in line]
     assert settled and all("sessions of this run open: 0" in line for line in settled), settled
     assert {p.pid for p in gym_servers()} - before == set()
+    assert left_behind(out) == []   # no session, sandbox or process of the run
