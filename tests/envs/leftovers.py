@@ -3,6 +3,8 @@ its processes (servers included), its sandboxes, and what its rollout log says o
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import psutil
@@ -39,3 +41,19 @@ def settled_lines(out: Path) -> list[str]:
     per actor role: `[role] episodes settled: sessions of this run open: N[; sandboxes live: M]`."""
     return [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
             if "episodes settled:" in line]
+
+
+SETTLED_CLEAN = re.compile(r"episodes settled: sessions of this run open: 0(; sandboxes live: 0)?$")
+
+
+def left_behind(out: Path) -> list[str]:
+    """What the finished run in `out` left behind, one line each; [] when nothing: every settled
+    line says no session (and, where the run had a sandbox pool, no sandbox) was open, no sandbox
+    labelled with the run exists, and no process of the run lives."""
+    settled = settled_lines(out)
+    found = [] if settled else ["rollout.log: no 'episodes settled' line"]
+    found += [f"rollout.log: {line}" for line in settled if not SETTLED_CLEAN.search(line)]
+    name = json.loads(next(out.glob("recipe.resolved*.json")).read_text())["run"]["name"]
+    found += [f"sandbox {sid} of run {name}" for sid in run_sandboxes(name)]
+    found += [f"process {p}" for p in run_processes(out)]
+    return found

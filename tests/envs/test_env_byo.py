@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.envs.leftovers import run_processes, run_sandboxes, settled_lines
+from tests.envs.leftovers import left_behind
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,9 +167,4 @@ def test_a_miles_run_of_the_example_environment(tmp_path):
     actors = [r for r in rows if r["kind"] == "actors"]
     assert actors[-1]["episode/count"] >= 24 and 1.0 <= actors[-1]["episode/attempts"] <= 2.0
     assert sorted(r["step"] for r in rows if r["kind"] == "eval") == [0, 3]
-    # nothing left: no session open when the episodes were stopped, no sandbox (the recipe opens
-    # no sandbox pool, so the settled line names none), no process of the run
-    settled = settled_lines(out)
-    assert settled and all(line.endswith("episodes settled: sessions of this run open: 0") for line in settled), settled
-    assert run_sandboxes(out.name) == []
-    assert run_processes(out) == []
+    assert left_behind(out) == []   # no session, sandbox or process of the run

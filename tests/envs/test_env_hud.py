@@ -25,6 +25,7 @@ import pytest
 from miles.envs import hud_env
 from miles.envs.agent import run_agent
 from miles.tito.client import SessionServerClient
+from tests.envs.leftovers import left_behind
 
 ROOT = Path(__file__).resolve().parents[2]
 HUD_URL_VARS = ("HUD_API_URL", "HUD_TELEMETRY_URL", "HUD_WEB_URL", "HUD_GATEWAY_URL", "HUD_RUNTIME_URL",
@@ -300,6 +301,7 @@ def test_miles_run_of_the_hud_recipe(tmp_path):
     closing = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
                if "sessions of this run open" in line]
     assert closing and all("open: 0" in line for line in closing), closing  # listed, and none open
+    assert left_behind(out) == []   # no session, sandbox or process of the run (engine, session server)
 
 
 @aio

@@ -22,6 +22,7 @@ import pytest_asyncio
 from miles.envs import openenv_env
 from miles.envs.agent import run_agent
 from miles.tito.client import SessionServerClient
+from tests.envs.leftovers import left_behind
 from tests.envs.token_checks import model_turns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,6 +229,7 @@ def test_miles_run_of_the_openenv_recipe(tmp_path, openenv_venv):
     listed = [line for line in closing if "sessions of this run open" in line]
     assert listed and all("sessions of this run open: 0" in line for line in listed), closing
     assert not [cmd for pid, cmd in leftover_processes(*needles) if pid not in before]
+    assert left_behind(out) == []   # no session, sandbox or process of the run
 
 
 def leftover_processes(*needles: str) -> list[tuple[int, list[str]]]:

@@ -27,6 +27,7 @@ import pytest
 import pytest_asyncio
 
 from miles.envs.verifiers_env import VerifiersEnv, VerifiersError, _apply_delta, env, episode_result
+from tests.envs.leftovers import left_behind
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = ROOT / "tests" / "envs" / "verifiers_envs"
@@ -46,18 +47,6 @@ def vf_python() -> str:
 def on_path(monkeypatch):
     """The echo environment importable by Verifiers (the env server inherits PYTHONPATH)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ENVS), os.environ.get("PYTHONPATH")) if p))
-
-
-def leftovers(out: Path) -> list[str]:
-    """Processes of a run (an actor knows its run by MILES_RECIPE; the env servers inherit it)."""
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.environ().get("MILES_RECIPE", "").startswith(str(out)) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
-        except psutil.Error:
-            continue
-    return found
 
 
 def serve_processes() -> list[psutil.Process]:
@@ -394,4 +383,4 @@ def test_a_miles_run_trains_on_served_verifiers_episodes(tmp_path, vf_python):
     for p in server_logs:
         assert "EnvServer down" in p.read_text(), p   # stopped, not killed
     assert serve_processes() == [], "an env server outlived its run"
-    assert leftovers(out) == []
+    assert left_behind(out) == []   # no session, sandbox or process of the run
