@@ -125,6 +125,7 @@ class RolloutWorker(Actor):
         self._loop_task: asyncio.Task | None = None
         self._env: EpisodeEnv | None = None
         self.teacher = None                 # a TeacherScorer with [teacher], else None
+        self.num_experts: int | None = None   # R3: the model's routed experts (the wire dtype)
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
         self.engine_idle_s = 0.0
@@ -137,7 +138,7 @@ class RolloutWorker(Actor):
     # ----- set-up ------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        from miles.engines.client import EngineClient, routed_experts_layout_from_config
+        from miles.engines.client import EngineClient, num_routed_experts, routed_experts_layout_from_config
         from miles.rl.sources import make_source, tokenizer_for
 
         r = self.recipe
@@ -149,6 +150,8 @@ class RolloutWorker(Actor):
         # R3: the (layers, top_k) that decode routed experts come from the model's config; the
         # gateway does not forward /model_info, so the client cannot ask the engines for it.
         layout = routed_experts_layout_from_config(self.model_path) if self.cfg.return_routed_experts else None
+        # ... and the expert count fixes the wire dtype for every sample of the model
+        self.num_experts = num_routed_experts(self.model_path) if layout is not None else None
         self.client = EngineClient(engines.gateway_url, timeout_s=60.0,
                                    generate_timeout_s=self.cfg.request_timeout_s,
                                    routed_experts_layout=layout)
@@ -355,7 +358,7 @@ class RolloutWorker(Actor):
         for i, s in enumerate(samples):   # a trajectory tree adds samples: positions are per group
             s.index = i
             if s.routed_experts is not None:   # R3: engine int32 -> uint8/uint16 before it travels
-                s.routed_experts = pack_routing(s.routed_experts)
+                s.routed_experts = pack_routing(s.routed_experts, self.num_experts)
         if self.cfg.reward_batched:
             await self._reward_group(samples)
         return Group(group_id=group_id, samples=samples, prompt_index=prompt.index)

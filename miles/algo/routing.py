@@ -2,18 +2,24 @@
 
 Layout (what the FSDP replay uses, and what a Megatron replay can reuse as is)
     engine (SGLang format)  int32 [T - 1, L, k] per sample, -1 = no expert (non-MoE layer, missing)
-    our wire (`Sample.routed_experts`)  uint8 [T - 1, L, k] (sentinel 255) when the model has at
-        most 255 experts, else uint16 (sentinel 65535): `pack_routing` / `unpack_routing`
+    our wire (`Sample.routed_experts`)  uint8 [T - 1, L, k] when the model has at most 256 experts
+        (255 with top-1), else uint16: `pack_routing` / `unpack_routing`. A (token, layer) row
+        without routing is all sentinel (the dtype's maximum in each of its k entries).
     replay, one packed micro-batch  int64 [sum T, L, k], -1 sentinel: each sample's rows padded by
         one sentinel row to T (the last token never had a forward pass in the engine), concatenated
         in the micro-batch's sample order: exactly the packed token stream, so row t is token t of
         `input_ids[0]` (`micro_batch_indices`). A Megatron replay takes `[:, layer]` per local MoE
-        layer (PP offset) and slices rows the way its tokens are sliced (`cp_slice` for CP).
+        layer (PP offset) and picks rows the way its tokens are picked (megatron_replay.rows_for:
+        the CP rank's chunks, then the SP slice).
 
 Design decisions:
-- The dtype is chosen from the value range (or the model's `num_experts` when given), so one
-  model's samples always agree; uint8 quarters SGLang's int32 payload for every model we train.
-- Sentinels are per dtype (the type's maximum), never 0: expert 0 is a real expert.
+- The dtype is chosen from the model's `num_experts` (the rollout passes the engine's model
+  config) or else from the value range; uint8 quarters SGLang's int32 payload, DeepSeek-V3's 256
+  experts included.
+- "No routing" is a property of a whole (token, layer) row: every consumer (both replays, the
+  agreement count) treats a row with any -1 as native routing. So the sentinel is a row whose k
+  entries are all the dtype's maximum: a real top-k set has k distinct experts, so for k >= 2 the
+  maximum id (255 in uint8) stays a real expert. Never 0: expert 0 is a real expert.
 - Agreement is over top-k *sets* (the order of the k experts carries no meaning once weights are
   gathered per index) and only over rows the rollout recorded (sentinel rows are not routing).
 - Pure numpy / torch functions with no Miles imports: the wire edge, the driver, both backends and
@@ -30,15 +36,15 @@ import torch
 SENTINELS = {np.dtype(np.uint8): 255, np.dtype(np.uint16): 65535}
 
 
-def routing_dtype(num_experts: int) -> np.dtype:
-    """uint8 for at most 255 experts (255 is the sentinel), uint16 for at most 65535."""
+def routing_dtype(num_experts: int, top_k: int = 1) -> np.dtype:
+    """uint8 for at most 256 experts (255 with top-1, where a lone 255 is the sentinel), else uint16."""
     if num_experts < 1 or num_experts > 65535:
         raise ValueError(f"num_experts: {num_experts} outside [1, 65535]; routing travels as uint8/uint16")
-    return np.dtype(np.uint8) if num_experts <= 255 else np.dtype(np.uint16)
+    return np.dtype(np.uint8) if num_experts <= (256 if top_k >= 2 else 255) else np.dtype(np.uint16)
 
 
 def pack_routing(routed: np.ndarray, num_experts: int | None = None) -> np.ndarray:
-    """Engine int32 (-1 = none) [rows, L, k] -> uint8 (255 = none) or uint16 (65535 = none)."""
+    """Engine int32 (-1 = none) [rows, L, k] -> uint8 or uint16; a row with a -1 becomes all sentinel."""
     arr = np.asarray(routed)
     if arr.ndim != 3:
         raise ValueError(f"routed_experts: expected shape (tokens - 1, layers, top_k), got {arr.shape}")
@@ -50,12 +56,14 @@ def pack_routing(routed: np.ndarray, num_experts: int | None = None) -> np.ndarr
     low = int(arr.min(initial=0))
     if low < -1:
         raise ValueError(f"routed_experts: value {low} < -1 (-1 is the only sentinel)")
-    dtype = routing_dtype(num_experts if num_experts is not None else high + 1 if high >= 0 else 1)
+    top_k = arr.shape[2]
+    dtype = routing_dtype(num_experts if num_experts is not None else high + 1 if high >= 0 else 1, top_k)
     sentinel = SENTINELS[dtype]
-    if high >= sentinel or (num_experts is not None and high >= num_experts):
-        raise ValueError(f"routed_experts: expert id {high} outside [0, {num_experts or sentinel})")
+    limit = num_experts if num_experts is not None else sentinel + (top_k >= 2)
+    if high >= limit:
+        raise ValueError(f"routed_experts: expert id {high} outside [0, {limit})")
     out = arr.astype(dtype)
-    out[arr < 0] = sentinel
+    out[(arr < 0).any(axis=-1)] = sentinel
     return out
 
 
@@ -64,7 +72,7 @@ def unpack_routing(arr: np.ndarray) -> np.ndarray:
     arr = np.asarray(arr)
     out = arr.astype(np.int64)
     if arr.dtype in SENTINELS:
-        out[arr == SENTINELS[arr.dtype]] = -1
+        out[(arr == SENTINELS[arr.dtype]).all(axis=-1)] = -1
     elif arr.dtype.kind != "i":
         raise ValueError(f"routed_experts: dtype {arr.dtype} is not uint8/uint16 or a signed int")
     return out
@@ -97,27 +105,6 @@ def micro_batch_indices(routed: Sequence[np.ndarray | None], lengths: Sequence[i
             out[start:start + n - 1] = torch.from_numpy(unpack_routing(r))
         start += n
     return out
-
-
-def cp_slice(x: torch.Tensor, seq_bounds: Sequence[int], cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Rows of a packed per-token tensor that context-parallel rank `cp_rank` holds.
-
-    Load-balanced ("zigzag") slicing per sample, as megatron-core does for packed sequences: each
-    sample is cut into 2 * cp_size equal chunks and rank r keeps chunks r and 2 * cp_size - 1 - r.
-    Sample lengths must be multiples of 2 * cp_size (the packer pads them so). The same function
-    slices tokens and routing, so a replayed index stays on its token."""
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank: {cp_rank} outside [0, {cp_size})")
-    pieces = []
-    for a, b in zip(seq_bounds[:-1], seq_bounds[1:]):
-        n = b - a
-        if n % (2 * cp_size):
-            raise ValueError(f"cp_slice: sample [{a}, {b}) of length {n} is not a multiple of "
-                             f"2 * cp_size = {2 * cp_size}")
-        c = n // (2 * cp_size)
-        for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            pieces.append(x[a + chunk * c:a + (chunk + 1) * c])
-    return torch.cat(pieces) if pieces else x[:0]
 
 
 def topk_set_matches(indices: torch.Tensor, recorded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,6 +166,17 @@ def routed_experts_layout_from_config(model_path: str | Path) -> tuple[int, int]
     return (int(cfg["num_hidden_layers"]), int(k)) if k else None
 
 
+def num_routed_experts(model_path: str | Path) -> int | None:
+    """The routed expert count of an HF config.json (Qwen3-MoE `num_experts`, DeepSeek
+    `n_routed_experts`, Mixtral `num_local_experts`), or None for a dense model."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return None
+
+
 def decode_routed_experts(b64: str, layout: tuple[int, int]) -> np.ndarray:
     layers, top_k = layout
     flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")

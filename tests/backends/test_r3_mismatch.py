@@ -61,4 +61,7 @@ def test_replay_lowers_the_bf16_engine_fp32_trainer_gap(backends):
     assert off["routing_agreement"] == off["routing_native_agreement"]
     assert on["routing_agreement"] == 1.0
     assert on["routing_native_agreement"] == off["routing_native_agreement"]   # same weights, same batch
-    assert on["train_rollout_logprob_abs_diff"] < off["train_rollout_logprob_abs_diff"]
+    # measured here: abs diff 0.00139 -> 0.00130 (-6.5%), KL halved; the flips' share of the gap
+    # is what replay removes, so the margin is small but must be there
+    assert on["train_rollout_logprob_abs_diff"] < 0.98 * off["train_rollout_logprob_abs_diff"]
+    assert on["train_rollout_kl"] < 0.8 * off["train_rollout_kl"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles.algo import LossConfig
-from miles.algo.routing import cp_slice, micro_batch_indices, pack_routing, unpack_routing
+from miles.algo.routing import micro_batch_indices, pack_routing, unpack_routing
 from miles.backends import TrainConfig
 from miles.backends.packing import pack_samples
 from miles.backends.policy import PackedPolicy
@@ -62,21 +62,29 @@ def test_layout_padding_packing_and_cp_slicing_keep_each_index_on_its_token():
         for l in range(layers):
             want = sorted(pattern(s, t, l)) if t < lengths[s] - 1 else [-1, -1]  # the padded last row
             assert sorted(packed[row, l].tolist()) == want, (row, s, t, l)
-    bounds = np.concatenate([[0], np.cumsum([lengths[i] for i in order])]).tolist()
-    for cp in (1, 2):
-        got = [cp_slice(torch.cat([owner, packed.flatten(1)], 1), bounds, r, cp) for r in range(cp)]
-        seen = set()
-        for piece in got:
-            for s, t, *idx in piece.tolist():
-                seen.add((s, t))
-                want = [v for l in range(layers) for v in
-                        (pattern(s, t, l) if t < lengths[s] - 1 else (-1, -1))]
-                assert idx == want
-        assert seen == {(s, t) for s in range(3) for t in range(lengths[s])}   # every token once
-        assert torch.equal(torch.cat([cp_slice(tokens, bounds, r, cp) for r in range(cp)]).sort().values,
-                           tokens.sort().values)
-    with pytest.raises(ValueError, match="not a multiple of 2 \\* cp_size = 8"):
-        cp_slice(tokens, bounds, 0, 4)
+    # Megatron's path: the row padded to a multiple of 2 x cp x tp (sentinel rows), each CP rank's
+    # chunks picked (megatron_cp.cp_layout), then the SP slice per TP rank (megatron_replay.rows_for)
+    from miles.backends.megatron_cp import cp_chunk_multiple, cp_layout
+    from miles.backends.megatron_replay import rows_for
+
+    seq_lens = [lengths[i] for i in order]
+    for cp, tp in ((1, 2), (2, 1), (2, 2), (3, 1)):
+        length = -(-sum(seq_lens) // cp_chunk_multiple(cp, tp)) * cp_chunk_multiple(cp, tp)
+        pad = length - sum(seq_lens)
+        tagged = torch.cat([owner, packed.flatten(1)], 1)   # [T, 2 + L * k]: (sample, token) + indices
+        seen = []
+        for r in range(cp):
+            lay = cp_layout(seq_lens + ([pad] if pad else []), cp, r, "cpu") if cp > 1 else None
+            for t in range(tp):
+                piece = rows_for(tagged, length, t, tp,
+                                 local_index=lay.local_index_host if lay is not None else None)
+                for s, tok, *idx in piece.tolist():
+                    if s == -1:    # rows_for's own padding rows
+                        continue
+                    seen.append((s, tok))
+                    assert idx == [v for l in range(layers) for v in
+                                   (pattern(s, tok, l) if tok < lengths[s] - 1 else (-1, -1))]
+        assert sorted(seen) == sorted((s, t) for s in range(3) for t in range(lengths[s]))   # each once
 
 
 def test_replayed_experts_receive_each_tokens_recorded_set(moe_path):
@@ -166,8 +174,16 @@ def test_wire_dtype_round_trip_and_bad_values():
     assert small.dtype == np.uint8 and small[0, 1].tolist() == [255, 255]
     assert unpack_routing(small).tolist() == raw.tolist()
     big = pack_routing(np.array([[[300, -1]]], np.int32))
-    assert big.dtype == np.uint16 and big.tolist() == [[[300, 65535]]]
+    assert big.dtype == np.uint16 and big.tolist() == [[[65535, 65535]]]   # a row with a -1 is "none"
+    assert unpack_routing(big).tolist() == [[[-1, -1]]]
     assert pack_routing(raw, num_experts=512).dtype == np.uint16    # the model decides when known
+    # DeepSeek-V3's 256 experts, top-8: uint8, expert 255 stays real; only an all-255 row is "none"
+    ds = np.array([[[255, 0, 7, 3, 254, 1, 2, 9], [-1] * 8]], np.int32)
+    packed = pack_routing(ds, num_experts=256)
+    assert packed.dtype == np.uint8 and unpack_routing(packed).tolist() == ds.tolist()
+    # top-1 with 256 experts has no spare value in uint8: uint16
+    assert pack_routing(np.array([[[255], [-1]]], np.int32), num_experts=256).dtype == np.uint16
+    assert pack_routing(np.array([[[254], [-1]]], np.int32), num_experts=255).dtype == np.uint8
     with pytest.raises(ValueError, match="expert id 8 outside \\[0, 8\\)"):
         pack_routing(np.array([[[8, 1]]], np.int32), num_experts=8)
     with pytest.raises(ValueError, match="value -2 < -1"):
@@ -284,3 +300,15 @@ def test_the_old_logprob_pass_replays_the_same_routing(moe_path, backends):
         policy, flat, routing, replay, False)      # the old pass routes natively, training replays
     m = backend.train(flipped)
     assert abs(m["ppo_kl"]) > 1e-4, m
+
+
+def test_the_rollout_takes_the_wire_dtype_from_the_models_expert_count(tmp_path, moe_path):
+    from miles.engines.client import num_routed_experts
+    assert num_routed_experts(moe_path) == E
+    for key, n in (("n_routed_experts", 256), ("num_local_experts", 8)):   # DeepSeek, Mixtral
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "config.json").write_text(f'{{"{key}": {n}, "num_experts_per_tok": 2}}')
+        assert num_routed_experts(tmp_path / key) == n
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text('{"num_hidden_layers": 2}')
+    assert num_routed_experts(tmp_path / "dense") is None
