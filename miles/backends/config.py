@@ -47,12 +47,12 @@ class MegatronConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     tp: int = 1                          # tensor parallel
     pp: int = 1                          # pipeline parallel
-    cp: int = 1                          # context parallel
+    cp: int = 1                          # context parallel: each row cut in 2 x cp chunks, K/V all-gathered (local spec)
     ep: int = 1                          # expert parallel
-    sequence_parallel: bool | None = None  # None: on exactly when tp > 1
+    sequence_parallel: bool | None = None  # None: on exactly when tp > 1 (off beside a PPO critic); MoE with tp > 1 needs it
     distributed_optimizer: bool = True   # shard optimizer state (and fp32 main params) over DP
     recompute: RecomputeName = "none"    # activation recompute: selective (core attention) or full
-    use_te: bool | None = None           # Transformer Engine layer spec; None: when importable
+    use_te: bool | None = None           # Transformer Engine layer spec; None: when importable and cp = 1
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
