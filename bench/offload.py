@@ -17,7 +17,9 @@ Prints one JSON line per (model, mode):
   (repeated, the PCIe figure), "nvme" against writing and reading the same number of bytes to
   files under --offload-dir with fdatasync and the page cache dropped (the disk figure).
   `link_frac` = min(read, write) GBps / its limit; with the reads and writes on separate streams
-  or threads, both directions overlap each other and the Adam arithmetic.
+  or threads, both directions overlap each other and the Adam arithmetic. A disk serves both
+  directions at once during a streamed step, so "nvme" also reports `limit_duplex_GBps` (each way,
+  reading one file while writing another) and `duplex_frac` against it: the link's real ceiling.
 - Device memory: `peak_device_bytes` is torch.cuda.max_memory_allocated during the step (params
   and grads included); `resident_state_device_bytes` is what the moments keep on the device
   between steps (mode none: all of them; cpu/nvme: 0); `device_saved_bytes` = none's peak - this
@@ -104,6 +106,45 @@ def disk_limits(root: Path, total: int, chunk: int) -> tuple[float, float]:
         os.close(fd)
         path.unlink()
     return total / read_s / 1e9, total / write_s / 1e9
+
+
+def disk_duplex_limit(root: Path, total: int, chunk: int) -> float:
+    """GB/s each way when `total` bytes are read from one file while `total` are written to another
+    (synced, cache dropped): what a streamed step asks of the disk, both directions at once."""
+    import threading
+
+    src, dst = root / "duplex-src.bin", root / "duplex-dst.bin"
+    buf = memoryview(bytearray(os.urandom(1 << 20)) * (chunk >> 20 or 1))
+    fd_src = os.open(src, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd_dst = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        pos = 0
+        while pos < total:
+            pos += os.pwrite(fd_src, buf[:min(len(buf), total - pos)], pos)
+        os.fdatasync(fd_src)
+        os.posix_fadvise(fd_src, 0, total, os.POSIX_FADV_DONTNEED)
+        rbuf = memoryview(bytearray(len(buf)))
+
+        def read_all():
+            at = 0
+            while at < total:
+                at += os.preadv(fd_src, [rbuf[:min(len(rbuf), total - at)]], at)
+
+        reader = threading.Thread(target=read_all)
+        t = time.perf_counter()
+        reader.start()
+        pos = 0
+        while pos < total:
+            pos += os.pwrite(fd_dst, buf[:min(len(buf), total - pos)], pos)
+        os.fdatasync(fd_dst)
+        reader.join()
+        seconds = time.perf_counter() - t
+    finally:
+        os.close(fd_src)
+        os.close(fd_dst)
+        src.unlink()
+        dst.unlink()
+    return total / seconds / 1e9
 
 
 def run_mode(name: str, mode: str, args, device: torch.device, work: Path) -> dict:
@@ -194,12 +235,17 @@ def main() -> None:
                                           "skipped": f"moments {8 * n / 1e9:.1f} GB > --nvme-max-gb"}))
                         continue
                     if "nvme" not in limits:
-                        limits["nvme"] = disk_limits(work, min(8 * n, 8 << 30), args.bucket_mb << 20)
+                        probe = min(8 * n, 8 << 30)
+                        limits["nvme"] = disk_limits(work, probe, args.bucket_mb << 20)
+                        duplex = disk_duplex_limit(work, probe, args.bucket_mb << 20)
                 rows[mode] = row = run_mode(name, mode, args, device, work)
                 if mode in limits:
                     lr, lw = limits[mode]
                     row.update(limit_read_GBps=lr, limit_write_GBps=lw,
                                link_frac=min(row["read_GBps"] / lr, row["write_GBps"] / lw))
+                    if mode == "nvme":   # one disk does both directions at once in a streamed step
+                        row.update(limit_duplex_GBps=duplex,
+                                   duplex_frac=min(row["read_GBps"], row["write_GBps"]) / duplex)
                 if "none" in rows and mode != "none":
                     base_row = rows["none"]
                     row.update(overhead_s=row["step_s"] - base_row["step_s"],
