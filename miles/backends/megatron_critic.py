@@ -72,11 +72,8 @@ class MegatronCritic:
         self.cfg = critic_schedule(cfg)
         self.chunks = backend._build(cfg.critic_model_path or cfg.model_path, trainable=True,
                                      prepare=self._swap_head)
-        if backend.device.type == "cuda":
-            self.optimizer = megatron_step.MegatronAdam(self.chunks, self.cfg, backend.dtype)
-        else:
-            self.optimizer = megatron_step.LocalAdamW([p for c in self.chunks for p in c.parameters()],
-                                                      self.cfg, backend.device, fp32_main=cfg.master_weights_fp32)
+        # the policy's rule: megatron's optimizer on CUDA, LocalAdamW on a CPU host or with offload
+        self.optimizer = megatron_step.make_optimizer(self.chunks, self.cfg, backend.device, backend.dtype)
         self.step = 0
         self.from_policy = not cfg.critic_model_path
 
