@@ -350,8 +350,8 @@ class MegatronBackend(TrainingBackend):
             return sum(batch.lengths[i] for i in mb) if mb else 2  # a dummy is two tokens
 
         cfg0 = self._model_config(self.chunks)
-        multiple = megatron_cp.cp_chunk_multiple(self.cp, self.tp if cfg0.sequence_parallel else 1) \
-            if self.cp > 1 else (self.tp if cfg0.sequence_parallel else 1)
+        sp_tp = self.tp if cfg0.sequence_parallel else 1
+        multiple = megatron_cp.cp_chunk_multiple(self.cp, sp_tp) if self.cp > 1 else sp_tp
         round_up = lambda n: -(-n // multiple) * multiple
         fixed = not cfg0.variable_seq_lengths and (ps.get_pipeline_model_parallel_world_size() > 1
                                                    or ps.get_expert_model_parallel_world_size() > 1)
