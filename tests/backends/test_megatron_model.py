@@ -57,8 +57,10 @@ def test_refusals_name_the_field():
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         transformer_config_from_hf(hf, _cfg())
     hf = load_hf_config(build_tiny_model(arch="qwen3"))
-    with pytest.raises(ValueError, match="cp=2"):
-        transformer_config_from_hf(hf, _cfg(cp=2, use_te=False))
+    # context parallelism is Miles' own attention in the local spec (megatron_cp.py): not with TE
+    with pytest.raises(ValueError, match="cp=2 with use_te=true.*set use_te = false"):
+        transformer_config_from_hf(hf, _cfg(cp=2, use_te=True))
+    assert transformer_config_from_hf(hf, _cfg(cp=2, use_te=False)).context_parallel_size == 2
     hf.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
     from miles.backends.megatron_model import _rope_scaling
     with pytest.raises(ValueError, match="rope scaling"):

@@ -135,11 +135,19 @@ async def test_a_huge_fan_out_is_refused_at_once_and_costs_nothing(engine):
 
 async def test_duplicate_rid_is_refused(url):
     async with EngineClient(url) as c:
-        first = asyncio.create_task(c.generate([1, 2], {"max_new_tokens": 80, "ignore_eos": True}, rid="dup"))
-        await asyncio.sleep(0.05)
+        first = asyncio.create_task(c.generate([1, 2], {"max_new_tokens": 200, "ignore_eos": True}, rid="dup"))
+        # the engine has it (not a fixed sleep: on a loaded CI box the first may not be sent yet)
+        async with aiohttp.ClientSession() as s:
+            deadline = time.monotonic() + 30
+            while True:
+                async with s.get(url + "/get_load") as r:
+                    if (await r.json())[0]["num_reqs"] >= 1:
+                        break
+                assert not first.done() and time.monotonic() < deadline, "the first request never showed in /get_load"
+                await asyncio.sleep(0.005)
         with pytest.raises(Exception, match="rid: 'dup' is already in flight"):
             await c.generate([1, 2], {"max_new_tokens": 2}, rid="dup")
-        assert len((await first).output_ids) == 80
+        assert len((await first).output_ids) == 200
 
 
 async def test_info_and_load_routes_smg_polls(url):
