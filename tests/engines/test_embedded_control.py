@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -44,10 +45,16 @@ def hf_logprobs(path, tokens):
 
 
 async def start_inflight(c: EngineClient):
+    """N requests the engine is decoding: returns as soon as all are running (not after a fixed
+    sleep: on an idle box the tiny model finishes all of them in ~0.1 s, under CI load in seconds)."""
     tasks = [asyncio.create_task(c.generate([30 + i, 31, 32, 33], {
         "max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, return_logprob=True,
         rid=f"inflight-{i}")) for i in range(N_INFLIGHT)]
-    await asyncio.sleep(0.15)  # decoding now (a few ms per step)
+    deadline = time.monotonic() + 30
+    while (load := (await c.get_load())[0])["num_reqs"] - load["num_waiting_reqs"] < N_INFLIGHT:
+        assert not any(t.done() for t in tasks), "a request ended before all were running"
+        assert time.monotonic() < deadline, "the requests were not all running within 30 s"
+        await asyncio.sleep(0.002)
     assert not any(t.done() for t in tasks)
     return tasks
 
