@@ -118,7 +118,10 @@ def test_two_node_quickstart_learns_with_ranks_and_engines_on_both_nodes(tmp_pat
     assert [r["step"] for r in train] == list(range(1, 61))
     assert all(r["version"] == r["step"] + 1 for r in train)
     # both nodes' engines served generations, and every publish reached both of them
-    fleet = _records(out, "actors")[-1]
+    # counters are cumulative; the last record may precede the final poll, so take each's maximum
+    records = _records(out, "actors")
+    fleet = {k: max(r.get(k, 0.0) for r in records) for k in set().union(*records)
+             if all(isinstance(r.get(k, 0.0), (int, float)) for r in records)}
     assert fleet["engines/alive"] == 2.0, fleet
     assert fleet["engines/node0/requests_total"] > 0 and fleet["engines/node1/requests_total"] > 0, fleet
     last = train[-1]["version"]
@@ -200,7 +203,10 @@ def test_an_engine_killed_on_node_1_is_restarted_there_and_rejoins_after_a_publi
     fleet_log = (out / "logs" / "engines.log").read_text()  # the head's fleet, INFO lines included
     assert "engine 1 (node 1, http://127.0.0.1:" in fleet_log and "that node restarts it" in fleet_log
     assert "engine 1 (node 1) restarted at" in fleet_log, fleet_log[-3000:]
-    fleet = _records(out, "actors")[-1]
+    # counters are cumulative; the last record may precede the final poll, so take each's maximum
+    records = _records(out, "actors")
+    fleet = {k: max(r.get(k, 0.0) for r in records) for k in set().union(*records)
+             if all(isinstance(r.get(k, 0.0), (int, float)) for r in records)}
     assert fleet["engines/alive"] == 2.0 and fleet["engines/pending"] == 0.0, fleet
     assert fleet["engines/generation"] == 1.0, fleet
     train = _records(out, "train")
@@ -289,7 +295,8 @@ def test_two_node_agent_run_has_gateway_and_session_server_on_the_head_and_reach
                 seen["workers"] = {w["url"] for w in json.loads(resp.read())["workers"]}
         except (psutil.Error, OSError, ValueError, KeyError):
             return False
-        return True
+        # up once the gateway lists an engine per node (it registers each as it answers)
+        return len(seen["workers"]) >= len(procs)
 
     _until(servers_up, 240, "the gateway and session server on node 0, an engine on each node", procs)
     pids = _tree(procs[0].pid) | _tree(procs[1].pid)
@@ -308,7 +315,10 @@ def test_two_node_agent_run_has_gateway_and_session_server_on_the_head_and_reach
     assert [r["step"] for r in _records(out, "train")] == list(range(1, steps + 1))
     # Every generation goes session server -> gateway -> an engine (no evaluation runs): node 1's
     # engine served agent turns through the head's gateway, and the episodes completed.
-    fleet = _records(out, "actors")[-1]
+    # counters are cumulative; the last record may precede the final poll, so take each's maximum
+    records = _records(out, "actors")
+    fleet = {k: max(r.get(k, 0.0) for r in records) for k in set().union(*records)
+             if all(isinstance(r.get(k, 0.0), (int, float)) for r in records)}
     assert fleet["engines/node1/requests_total"] > 0 and fleet["engines/node0/requests_total"] > 0, fleet
     assert fleet["episode/count"] >= steps * 4 * 8 and fleet["episode/failed"] == 0, fleet
     assert fleet["episode/tool_calls"] > 0 and fleet["rollout/samples_failed"] == 0, fleet
