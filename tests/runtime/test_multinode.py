@@ -203,12 +203,14 @@ def test_an_engine_killed_on_node_1_is_restarted_there_and_rejoins_after_a_publi
     fleet_log = (out / "logs" / "engines.log").read_text()  # the head's fleet, INFO lines included
     assert "engine 1 (node 1, http://127.0.0.1:" in fleet_log and "that node restarts it" in fleet_log
     assert "engine 1 (node 1) restarted at" in fleet_log, fleet_log[-3000:]
-    # counters are cumulative; the last record may precede the final poll, so take each's maximum
+    # alive/pending are gauges and generation a counter: some record after the restart must show
+    # the restarted engine serving (the last record may precede the final poll, so not only it)
     records = _records(out, "actors")
-    fleet = {k: max(r.get(k, 0.0) for r in records) for k in set().union(*records)
-             if all(isinstance(r.get(k, 0.0), (int, float)) for r in records)}
-    assert fleet["engines/alive"] == 2.0 and fleet["engines/pending"] == 0.0, fleet
-    assert fleet["engines/generation"] == 1.0, fleet
+    rejoined = [r for r in records if r.get("engines/generation") == 1.0
+                and r.get("engines/alive") == 2.0 and r.get("engines/pending") == 0.0]
+    assert rejoined, [{k: r.get(k) for k in ("step", "engines/alive", "engines/pending",
+                                             "engines/generation")} for r in records]
+    assert max(r.get("engines/generation", 0.0) for r in records) == 1.0
     train = _records(out, "train")
     assert [r["step"] for r in train] == list(range(1, 41))
     # the restarted engine (the same log file, appended) took the final weights

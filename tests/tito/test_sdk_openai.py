@@ -246,7 +246,10 @@ async def test_32_concurrent_sessions_are_token_exact(sdk_stack):
 @pytest.mark.slow
 async def test_a_3mb_tool_result_does_not_stall_other_sessions(sdk_stack):
     """Issue 16 item 8: one 8 MB tool result stalled every session for 17 s. The render goes to the
-    tokenizer process pool; the ids are exactly the in-process tokenizer's."""
+    tokenizer process pool; the ids are exactly the in-process tokenizer's. The stall is measured
+    as the CPU time the event loop's thread spends between two ticks of a 10 ms ticker: a render
+    on the loop shows there, while other processes on a busy machine (CI runs two test streams on
+    two cores) delay the ticks without adding to it, so wall-clock latency is only printed."""
     st = sdk_stack
     words = ["alpha", "beta", "file", "total", "drwxr", "error", "line", "value", "print", "return"]
     rng = np.random.default_rng(0)
@@ -289,15 +292,32 @@ async def test_a_3mb_tool_result_does_not_stall_other_sessions(sdk_stack):
         await oc.chat.completions.create(model="m", messages=msgs, max_tokens=4, timeout=120)
         timing["big_s"] = time.perf_counter() - t
 
+    stalls: list[float] = []   # thread CPU seconds between consecutive ticks
+
+    async def ticker(stop: asyncio.Event):
+        last = time.thread_time()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.thread_time()
+            stalls.append(now - last)
+            last = now
+
     done.clear()
-    loaded = await measure(big_turn)
+    tick_stop = asyncio.Event()
+    tick = asyncio.create_task(ticker(tick_stop))
+    try:
+        loaded = await measure(big_turn)
+    finally:
+        tick_stop.set()
+        await tick
     gap = float(np.diff(sorted(done)).max())
     p95 = lambda xs: float(np.percentile(xs, 95))
     print(f"small-turn p95: {p95(base) * 1e3:.0f} ms idle, {p95(loaded) * 1e3:.0f} ms during a 3 MB tool result "
           f"({timing['big_s']:.1f} s, {len(loaded)} small turns, max {max(loaded) * 1e3:.0f} ms, longest gap "
-          f"between completions {gap * 1e3:.0f} ms)")
+          f"between completions {gap * 1e3:.0f} ms, loop CPU between ticks at most {max(stalls) * 1e3:.0f} ms)")
     assert st.scripted.stats["pool_tokenized"] >= 1
-    assert len(loaded) >= 20 and p95(loaded) < max(0.5, 5 * p95(base)) and gap < 2.0
+    assert len(loaded) >= 20, len(loaded)
+    assert max(stalls) < 0.5, sorted(stalls)[-5:]   # rendering 3 MB on the loop took seconds
     [req] = [b for b in st.engine.requests if len(b["input_ids"]) > 100_000]
     text = st.scripted.family.render(parse_openai_messages(msgs), None, 0, True, {})
     assert req["input_ids"] == st.engine.tokenizer.encode(text)     # exactly the in-process tokenizer's
