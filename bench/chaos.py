@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # tests.ports
 sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
 FIELDS = ("kind", "completed", "exit_code", "recovery_s", "wall_s", "steps_trained", "samples_lost",

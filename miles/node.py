@@ -164,6 +164,16 @@ class Child:
         return read_log_tail(self.log_path, n_lines, since=self.log_offset)
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; 32768-60999 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 class NodeDaemon(Actor):
     """Hosts the registry (head), spawns and supervises this node's actor processes."""
 
@@ -281,6 +291,7 @@ class NodeDaemon(Actor):
         observer = await self._serve_metrics()
         if await self._until_done(self._discover_nodes()):
             self.children = self.plan()
+            self._warn_ephemeral_master_ports()
             for child in self.children:
                 if not self._shutting_down:
                     self._spawn_child(child)
@@ -590,6 +601,17 @@ class NodeDaemon(Actor):
                               f"liveness_timeout_s = {cl.liveness_timeout_s}): killing it; last "
                               f"lines of its log ({child.log_path}):\n{_indent(child.log_tail())}")
                     child.proc.signal_all(signal.SIGKILL)
+
+    def _warn_ephemeral_master_ports(self) -> None:
+        """A process group's MASTER_PORT in the kernel's ephemeral range can be held by any
+        outgoing connection when rank 0's TCP store binds it (EADDRINUSE): say so once."""
+        ports = sorted({int(c.env["MASTER_PORT"]) for c in self.children if "MASTER_PORT" in c.env})
+        low, high = ephemeral_port_range()
+        risky = [p for p in ports if low <= p <= high]
+        if risky:
+            self._log(f"process-group port(s) {risky} (cluster.head_port + 10 + role index) lie in the "
+                      f"kernel's ephemeral range {low}-{high}, where any outgoing connection may hold them; "
+                      f"a cluster.head_port below {low - 64} avoids that")
 
     def _log(self, text: str) -> None:
         if self.progress is not None:

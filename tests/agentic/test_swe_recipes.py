@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MILES = [sys.executable, "-m", "miles.cli"]
@@ -28,9 +28,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def miles_run(recipe: str, out: Path, overrides: list[str], timeout_s: float) -> tuple[int, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     args = [*MILES, "run", str(ROOT / "recipes" / recipe), "--set", f"run.output_dir={json.dumps(str(out))}",
             "--set", f"run.name={json.dumps(out.name)}", "--set", "logging.progress=false",
             "--set", f"cluster.head_port={port}"]

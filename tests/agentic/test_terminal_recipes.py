@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from miles.config import RecipeError, load_recipe
 from miles.recipe_checks import check_placement, check_recipe
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {name: ROOT / "recipes" / f"terminal_{name}.toml" for name in ("cpu", "h200", "cluster")}
@@ -58,9 +58,7 @@ def test_miles_check_accepts_the_cluster_recipe_and_refuses_a_broken_one():
 
 
 def run_recipe(out: Path, overrides: list[str], timeout_s: float, recipe: str = "cpu") -> tuple[int, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     args = [sys.executable, "-m", "miles.cli", "run", str(RECIPES[recipe]),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(out.name)}",
             "--set", "logging.progress=false", "--set", f"cluster.head_port={port}"]

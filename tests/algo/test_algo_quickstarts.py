@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -18,9 +18,7 @@ pytestmark = pytest.mark.slow
 
 def run_recipe(tmp_path: Path, recipe: str, name: str, overrides: list[str], timeout_s: float = 900):
     """(exit code, log tail, rows of metrics.jsonl) of `miles run recipe` with `overrides`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     out = tmp_path / name
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / recipe),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(name)}",

@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from backend_helpers import REPO, free_port, run_ranks
+from backend_helpers import REPO, run_ranks
 
 from miles.tiny import build_tiny_model
+from tests.ports import cluster_port
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 # fp32 on gloo: only the summation order differs from the unsharded step (measured 4.8e-7 - 7.7e-7).
@@ -100,7 +101,7 @@ def test_quickstart_learns_with_megatron(tmp_path):
     args = [sys.executable, "-m", "miles.cli", "run", str(REPO / "recipes" / "quickstart.toml"),
             "--set", 'train.backend="megatron"', "--set", "loop.num_steps=40", "--set", "loop.eval_every=20",
             "--set", "loop.save_every=0", "--set", f"run.output_dir={json.dumps(str(out))}",
-            "--set", "logging.progress=false", "--set", f"cluster.head_port={free_port()}"]
+            "--set", "logging.progress=false", "--set", f"cluster.head_port={cluster_port()}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)

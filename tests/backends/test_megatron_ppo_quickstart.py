@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from backend_helpers import REPO, free_port
+from backend_helpers import REPO
+from tests.ports import cluster_port
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def test_ppo_megatron_quickstart_learns(tmp_path):
     args = [sys.executable, "-m", "miles.cli", "run", str(REPO / "recipes" / "algos" / "ppo_megatron_quickstart.toml"),
             "--set", "loop.num_steps=60", "--set", "loop.save_every=30",
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",
-            "--set", f"cluster.head_port={free_port()}"]
+            "--set", f"cluster.head_port={cluster_port()}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)

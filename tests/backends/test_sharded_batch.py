@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from backend_helpers import REPO, free_port, make_samples, run_ranks
+from backend_helpers import REPO, make_samples, run_ranks
 
 from miles.algo import LossConfig
 from miles.algo.routing import pack_routing
@@ -29,6 +29,7 @@ from miles.backends.packing import sample_owners
 from miles.loop import shard_batch
 from miles.wire.codec import Codec
 from miles.wire.messages import BatchIndex, Sample, TrainStep
+from tests.ports import cluster_port
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 LAYERS, TOP_K, EXPERTS = 8, 8, 64
@@ -169,7 +170,7 @@ def run_quickstart(tmp_path: Path, name: str, trainer_ranks: int, timeout_s: flo
     sets = ["loop.num_steps=3", "sft.steps=5", "loop.eval_every=0", "loop.save_every=0", 'eval.mode="off"',
             "loop.groups_per_step=4", 'buffer.filter="none"', 'loop.mode="sync"',
             f"run.output_dir={json.dumps(str(out))}", f"run.name={json.dumps(name)}",
-            "logging.progress=false", f"cluster.head_port={free_port()}",
+            "logging.progress=false", f"cluster.head_port={cluster_port()}",
             'actors.trainer.class="miles.actors.trainer:Trainer"', "actors.trainer.distributed=true",
             f"actors.trainer.procs_per_node={trainer_ranks}"]
     args = [sys.executable, "-m", "miles.cli", "run", str(REPO / "recipes" / "quickstart.toml")]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "chaos_cpu.toml"
@@ -137,12 +137,6 @@ class ChaosTimeout(RuntimeError):
 
 
 # ----- the processes of one run ----------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def descendants(root: psutil.Process) -> list[psutil.Process]:
     try:
@@ -320,7 +314,7 @@ class Run:
         self.metrics = out_dir / "metrics.jsonl"
         cmd = [str(PYTHON), "-m", "miles.cli", "run", str(RECIPE)]
         for k, v in {"run.name": json.dumps(f"chaos_{case.name}"), "run.output_dir": json.dumps(str(out_dir)),
-                     "cluster.head_port": _free_port(), **sets}.items():
+                     "cluster.head_port": cluster_port(), **sets}.items():
             cmd += ["--set", f"{k}={v}"]
         self.t0 = time.monotonic()
         self._log = open(self.log_path, "wb")

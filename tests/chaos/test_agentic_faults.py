@@ -32,7 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from chaos_harness import ROOT, PYTHON, _free_port, find_target, last_train_step, read_rows
+from chaos_harness import ROOT, PYTHON, find_target, last_train_step, read_rows
+from tests.ports import cluster_port
 
 HERE = Path(__file__).resolve().parent
 STEPS, GROUPS, SAMPLES, KILL_AT = 12, 8, 2, 4
@@ -68,7 +69,7 @@ def test_faulty_episodes_and_a_killed_rollout_leave_no_sandbox_and_no_session(tm
     train = tmp_path / "train.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in rows(400)))
     sets = [f"run.output_dir={json.dumps(str(out))}", f"run.name={json.dumps(name)}",
-            f"cluster.head_port={_free_port()}", "logging.progress=false",
+            f"cluster.head_port={cluster_port()}", "logging.progress=false",
             f"loop.num_steps={STEPS}", f"loop.groups_per_step={GROUPS}", "loop.eval_every=0",
             "loop.save_every=0", "loop.timeout_s=120", 'eval.mode="off"', "sft.steps=0",
             'data.task=""', f"data.path={json.dumps(str(train))}",

@@ -24,15 +24,13 @@ import pytest
 from miles.envs.tool_agent import PARSE_ERROR, ToolRunner, tool_specs
 from miles.sandboxes.base import DEFAULT_WORKDIR, sandbox_path
 from tests.envs.token_checks import model_spans, model_turns
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_quickstart(out: Path, overrides: list[str], timeout_s: float) -> tuple[int, str]:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "agent_quickstart.toml"),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(out.name)}",
             "--set", "logging.progress=false", "--set", f"cluster.head_port={port}"]

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from tests.envs.leftovers import left_behind
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,7 +134,6 @@ async def test_an_agent_that_raises_fails_its_own_episodes_and_the_others_score(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_miles_run_of_the_example_environment(tmp_path):
-    from miles.engines.procs import free_port
     from miles.wire.messages import Batch
     from miles.wire.recorder import read_records
 
@@ -141,7 +141,7 @@ def test_a_miles_run_of_the_example_environment(tmp_path):
     out = tmp_path / f"byo-{int(time.time())}"
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "envs" / "byo.toml"),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(out.name)}",
-            "--set", "logging.progress=false", "--set", f"cluster.head_port={free_port()}",
+            "--set", "logging.progress=false", "--set", f"cluster.head_port={cluster_port()}",
             "--set", "loop.num_steps=3", "--set", "logging.record_wire=true"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -33,6 +33,7 @@ import pytest_asyncio
 from miles.sandboxes.harbor import load_task, task_spec
 from tests.envs.leftovers import left_behind
 from tests.envs.token_checks import model_turns
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -346,7 +347,6 @@ def tasks(seed=0, test_frac=0.25):
 def test_harbor_recipe_in_a_real_miles_run(harbor_python, tmp_path):
     """Two of the first four training tasks fail in Harbor's verifier: their groups are failed
     (retried, then dropped by the buffer), the run trains on the others and ends normally."""
-    from miles.engines.procs import free_port
     from miles.tito.tokenizer import load_tokenizer
     from miles.wire.messages import Batch
     from miles.wire.recorder import read_records
@@ -360,7 +360,7 @@ def test_harbor_recipe_in_a_real_miles_run(harbor_python, tmp_path):
         [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "envs" / "harbor.toml"),
          "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",
          "--set", 'data.task="broken_harbor_tasks:tasks"', "--set", "data.shuffle=false",
-         "--set", "logging.record_wire=true", "--set", f"cluster.head_port={free_port()}"],
+         "--set", "logging.record_wire=true", "--set", f"cluster.head_port={cluster_port()}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     resolved = json.loads(next(out.glob("recipe.resolved*.json")).read_text())

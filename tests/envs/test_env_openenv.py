@@ -9,7 +9,6 @@ server; the slow one is a real `miles run` of recipes/envs/openenv.toml with the
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from miles.envs.agent import run_agent
 from miles.tito.client import SessionServerClient
 from tests.envs.leftovers import left_behind
 from tests.envs.token_checks import model_turns
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "envs" / "openenv_envs"))
@@ -246,14 +246,11 @@ def run_recipe(recipe: Path, out: Path, env: dict[str, str], timeout_s: float,
                overrides: tuple[str, ...] = ()) -> tuple[int, str, list]:
     """`miles run recipe` with every step recorded; (exit code, log, the trained samples)."""
     import os
-    import socket
     import subprocess
 
     from miles.wire.messages import Batch
     from miles.wire.recorder import read_records
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     args = [sys.executable, "-m", "miles.cli", "run", str(recipe),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(out.name)}",
             "--set", "logging.progress=false", "--set", f"cluster.head_port={port}",

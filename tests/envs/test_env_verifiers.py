@@ -28,6 +28,7 @@ import pytest_asyncio
 
 from miles.envs.verifiers_env import VerifiersEnv, VerifiersError, _apply_delta, env, episode_result
 from tests.envs.leftovers import left_behind
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = ROOT / "tests" / "envs" / "verifiers_envs"
@@ -318,10 +319,9 @@ async def test_in_process_episodes_in_the_verifiers_python(stack, vf_python, on_
 # -- a real miles run ------------------------------------------------------------------------------
 
 def run_recipe(out: Path, overrides: list[str], timeout_s: float, extra_path: str = "") -> tuple[int, str]:
-    from miles.engines.procs import free_port
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "envs" / "verifiers.toml"),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(out.name)}",
-            "--set", "logging.progress=false", "--set", f"cluster.head_port={free_port()}"]
+            "--set", "logging.progress=false", "--set", f"cluster.head_port={cluster_port()}"]
     for o in overrides:
         args += ["--set", o]
     env_vars = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}

@@ -3,12 +3,12 @@ publish checked bit for bit and the trainer agreeing with the INT4 rollout."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "quant" / "quickstart.toml"
@@ -38,9 +38,7 @@ def test_bad_quant_settings_name_the_key():
 
 @pytest.mark.slow
 def test_int4_qat_run_matches_its_rollout(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     sets = {"run.output_dir": json.dumps(str(tmp_path / "qat")), "run.name": '"qat"',
             "cluster.head_port": str(port), "logging.progress": "false", "loop.mode": '"sync"',
             "loop.num_steps": "3", "loop.save_every": "0", "loop.eval_every": "0", "sft.steps": "5",

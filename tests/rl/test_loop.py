@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +28,7 @@ def run_recipe(tmp_path, name, overrides=(), timeout_s=600, stop_after_s=None):
     out = tmp_path / name
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(name)}",
-            "--set", "logging.progress=false", "--set", f"cluster.head_port={_free_port()}", *_sets(overrides)]
+            "--set", "logging.progress=false", "--set", f"cluster.head_port={cluster_port()}", *_sets(overrides)]
     env = _env()
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -46,13 +47,6 @@ def _sets(overrides):
     for o in overrides:
         yield "--set"
         yield o
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def records(out, kind):
@@ -98,7 +92,7 @@ def test_sigint_then_resume_continues_at_the_step_and_data_position(tmp_path):
     ckpt = out / "checkpoints" / "step_000004" / "loop_state.json"
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",
-            "--set", f"cluster.head_port={_free_port()}", *_sets(overrides)]
+            "--set", f"cluster.head_port={cluster_port()}", *_sets(overrides)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -3,21 +3,19 @@ every step) with R3 on: the trainer routes every recorded (token, layer) pair as
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 def run_moe(tmp_path, name, overrides, timeout_s=800, recipe="moe_quickstart.toml"):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     out = tmp_path / name
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / recipe),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", f"run.name={json.dumps(name)}",

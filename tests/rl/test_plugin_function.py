@@ -14,6 +14,7 @@ import pytest
 from miles.envs.function import load_rollout_function
 from miles.wire.messages import Batch, TrainStep
 from miles.wire.recorder import read_records
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -27,10 +28,7 @@ COMMON = [f"loop.num_steps={STEPS}", f"loop.groups_per_step={GROUPS}", "loop.eva
 
 
 def run_recipe(tmp_path, name, overrides, timeout_s=400):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     out = tmp_path / name
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
             "--set", f"run.output_dir={json.dumps(str(out))}", "--set", "logging.progress=false",

@@ -1,18 +1,12 @@
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node(recipe: Path, rank: int, nnodes: int, log: Path, extra_env=None, overrides=()):
@@ -32,7 +26,7 @@ def node_launcher(tmp_path):
     procs = []
 
     def launch(recipe_text: str, nnodes: int = 1, overrides=(), extra_env=None):
-        port = free_port()
+        port = cluster_port()
         recipe = tmp_path / "recipe.toml"
         recipe.write_text(recipe_text.replace("@PORT@", str(port)).replace("@OUT@", str(tmp_path / "run")))
         started = [start_node(recipe, r, nnodes, tmp_path / f"node{r}.log", extra_env, overrides)
@@ -68,7 +62,7 @@ def cluster_launcher(tmp_path):
     """Start `nnodes` daemons of one recipe file; calling it again with the same arguments is
     "the same command again" (same port, same run directory, logs appended)."""
     procs = []
-    port = free_port()
+    port = cluster_port()
 
     def launch(recipe: Path, nnodes: int = 2, overrides=()):
         started = [start_daemon(recipe, r, nnodes, port, tmp_path / f"node{r}.log", overrides)

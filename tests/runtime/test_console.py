@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from miles.console import RunProgress, forwarder, is_routine
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,10 +78,7 @@ def test_a_short_quickstart_prints_a_handful_of_lines(tmp_path):
     steps = 30
     out = tmp_path / "qs"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = cluster_port()
     proc = subprocess.run(
         [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml"),
          "--set", f"loop.num_steps={steps}", "--set", f"run.output_dir={json.dumps(str(out))}",

@@ -5,21 +5,15 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -27,7 +21,7 @@ def test_ctrl_c_after_the_first_checkpoint_prints_one_line_and_no_traceback(tmp_
     out = tmp_path / "run"
     sets = ["loop.num_steps=50", "loop.save_every=2", "loop.eval_every=0", 'eval.mode="off"',
             "logging.progress=false", f"run.output_dir={json.dumps(str(out))}",
-            f"cluster.head_port={free_port()}"]
+            f"cluster.head_port={cluster_port()}"]
     args = [sys.executable, "-m", "miles.cli", "run", str(ROOT / "recipes" / "quickstart.toml")]
     for s in sets:
         args += ["--set", s]

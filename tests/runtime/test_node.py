@@ -148,3 +148,22 @@ main = true
     codes = _wait(procs, 60)
     assert codes[0] != 0
     assert "cannot import module 'no_such_module'" in logs[0].read_text()
+
+
+def test_a_process_group_port_in_the_ephemeral_range_is_warned_about_once():
+    """MASTER_PORT = head_port + 10 + role index; inside the kernel's ephemeral range any outgoing
+    connection may hold it when rank 0 binds it (EADDRINUSE), so the daemon says so."""
+    from types import SimpleNamespace
+
+    from miles.node import NodeDaemon, ephemeral_port_range
+
+    low, high = ephemeral_port_range()
+    lines: list[str] = []
+    child = lambda port: SimpleNamespace(env={"MASTER_PORT": str(port)})  # noqa: E731
+    fake = SimpleNamespace(children=[child(low + 10), child(low + 10), SimpleNamespace(env={})],
+                           _log=lines.append)
+    NodeDaemon._warn_ephemeral_master_ports(fake)
+    assert len(lines) == 1 and f"[{low + 10}]" in lines[0] and f"below {low - 64}" in lines[0], lines
+    fake.children = [child(low - 100)]
+    NodeDaemon._warn_ephemeral_master_ports(fake)
+    assert len(lines) == 1, lines

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from miles.observe import dashboard_data, make_app
+from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MILES = [sys.executable, "-m", "miles.cli"]
@@ -142,7 +143,7 @@ def check_page(dom: str, shot: Path, min_steps: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_live_run_is_scraped_shown_by_status_and_drawn_by_chromium(tmp_path):
-    out, head = tmp_path / "obs", free_port()
+    out, head = tmp_path / "obs", cluster_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
     metrics_port = free_port()
     proc = subprocess.Popen(

@@ -24,6 +24,7 @@ from miles.actors.engines import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.rl.config import EngineConfig, ModelConfig, SessionConfig
 from miles.wire.messages import GetEngines, GetMetrics
+from tests.ports import cluster_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 HEALTH_INTERVAL_S = 0.5
@@ -292,9 +293,7 @@ async def test_a_run_with_the_session_server_logs_the_fleet_metrics_per_step(tmp
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        head_port = s.getsockname()[1]
+    head_port = cluster_port()
     out = tmp_path / "run"
     sets = [f"run.output_dir={json.dumps(str(out))}", "logging.progress=false",
             f"cluster.head_port={head_port}", 'session.enabled="on"', "loop.num_steps=3",

@@ -17,6 +17,7 @@ from miles.config import ClusterConfig
 from miles.wire import shm
 from miles.wire.codec import Codec, ShmUnavailable, WireError
 from miles.wire.messages import Sample, TrainStep
+from tests.ports import cluster_port
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 
@@ -334,10 +335,10 @@ def test_the_quickstart_trains_through_shared_memory(tmp_path):
     """The real loop with every array-carrying call through shared memory (threshold 1 byte): the
     driver -> trainer TrainSteps of the SFT warm-start use it with no change at the call site, and
     a stopped run leaves no segment behind."""
-    from tests.runtime.conftest import ROOT, free_port
+    from tests.runtime.conftest import ROOT
     from miles.wire.messages import GetMetrics
 
-    out, head = tmp_path / "run", free_port()
+    out, head = tmp_path / "run", cluster_port()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
     log = tmp_path / "log"

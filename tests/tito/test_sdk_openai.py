@@ -7,6 +7,7 @@ real embedded engine behind a recording proxy (token exactness, logprobs).
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import aiohttp
@@ -305,9 +306,14 @@ async def test_a_3mb_tool_result_does_not_stall_other_sessions(sdk_stack):
     done.clear()
     tick_stop = asyncio.Event()
     tick = asyncio.create_task(ticker(tick_stop))
+    # the heap the suite built before this test (hundreds of tests in one process) is frozen out of
+    # the collector, so a full collection over it does not count as this server's stall
+    gc.collect()
+    gc.freeze()
     try:
         loaded = await measure(big_turn)
     finally:
+        gc.unfreeze()
         tick_stop.set()
         await tick
     gap = float(np.diff(sorted(done)).max())
@@ -317,7 +323,9 @@ async def test_a_3mb_tool_result_does_not_stall_other_sessions(sdk_stack):
           f"between completions {gap * 1e3:.0f} ms, loop CPU between ticks at most {max(stalls) * 1e3:.0f} ms)")
     assert st.scripted.stats["pool_tokenized"] >= 1
     assert len(loaded) >= 20, len(loaded)
-    assert max(stalls) < 0.5, sorted(stalls)[-5:]   # rendering 3 MB on the loop took seconds
-    [req] = [b for b in st.engine.requests if len(b["input_ids"]) > 100_000]
+    # tokenizing 3 MB on the loop: 2.4 s here (idle box); through the pool 0.12-0.16 s (0.64 s once
+    # in CI beside the other test stream)
+    assert max(stalls) < 1.0, sorted(stalls)[-5:]
+    req = [b for b in st.engine.requests if len(b["input_ids"]) > 100_000][-1]   # a rerun adds one
     text = st.scripted.family.render(parse_openai_messages(msgs), None, 0, True, {})
     assert req["input_ids"] == st.engine.tokenizer.encode(text)     # exactly the in-process tokenizer's

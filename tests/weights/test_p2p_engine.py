@@ -27,6 +27,7 @@ from miles.weights.config import WeightsConfig
 from miles.weights.factory import make_transport
 from miles.weights.p2p import EngineLayout, P2PTransport, TensorSpec, make_plan
 from miles.weights.process_group import free_port
+from tests.ports import cluster_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,7 +152,7 @@ def test_p2p_quickstart_recipe_publishes_exact_slices_and_keeps_learning(tmp_pat
     sets = ["loop.num_steps=3", "loop.eval_every=3", "loop.save_every=0", "eval.n_prompts=32",
             "loop.groups_per_step=4", 'buffer.filter="none"', 'loop.mode="sync"',
             f"run.output_dir={json.dumps(str(out))}", "logging.progress=false",
-            f"cluster.head_port={free_port()}"]
+            f"cluster.head_port={cluster_port()}"]
     args = [sys.executable, "-m", "miles.cli", "run", str(REPO / "recipes" / "p2p_quickstart.toml")]
     for s in sets:
         args += ["--set", s]
