@@ -15,7 +15,8 @@ routing bytes per sample on the wire. Prints one JSON line:
   run per mode. (An earlier version timed a long and a short run and took the difference so the
   prefill cancelled: the same figure for 25% more decode steps; the small MoE decodes eagerly,
   an expert loop per layer, and that bench outran its 110 s limit on an H200.)
-- Trainer: a one-rank FSDP backend, lr 0 (the same weights every step), old log-probs recomputed
+- Trainer: a one-rank FSDP backend (`--backend megatron`: the Megatron backend, whose replay is
+  megatron-core's RouterReplay per MoE layer), lr 0 (the same weights every step), old log-probs recomputed
   (the no-grad pass replays too), the same GRPO batch with routing on every sample; off = the
   batch without routing (nothing patched runs but the router's own top-k), on = replay. Medians of
   `--steps` steps after one warm-up, alternated.
@@ -28,7 +29,7 @@ routing bytes per sample on the wire. Prints one JSON line:
   with timings goes to stderr.
 
 Usage: .venv/bin/python bench/r3.py [--device cpu|cuda] [--model tiny|small] [--batch 16]
-       [--new-tokens 64] [--steps 5] [--repeats 3] [--budget-s 90]
+       [--new-tokens 64] [--steps 5] [--repeats 3] [--budget-s 90] [--backend fsdp|megatron]
 GPU:   .venv/bin/python bench/r3.py --device cuda --model small --batch 64 --new-tokens 256 --steps 5
 """
 
@@ -160,9 +161,9 @@ def trainer_bench(path: Path, args, budget: Budget) -> dict:
 
     cfg = json.loads((path / "config.json").read_text())
     L, k, E = cfg["num_hidden_layers"], cfg["num_experts_per_tok"], cfg.get("num_experts") or cfg["num_local_experts"]
-    tcfg = TrainConfig(model_path=str(path), param_dtype="bfloat16" if args.device == "cuda" else "float32",
+    tcfg = TrainConfig(backend=args.backend, model_path=str(path), param_dtype="bfloat16" if args.device == "cuda" else "float32",
                        lr=0.0, old_logprobs="recompute", max_tokens_per_microbatch=args.microbatch_tokens)
-    backend = make_backend("fsdp")
+    backend = make_backend(args.backend)
     backend.init(tcfg, RankInfo(), LossConfig())
     rng = np.random.default_rng(0)
     routed, plain = [], []
@@ -200,7 +201,7 @@ def trainer_bench(path: Path, args, budget: Budget) -> dict:
         progress(f"trainer step {step + 1}: {slowest:.1f} s at most per step pair")
     backend.close()
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    return {"samples": len(routed), "tokens": int(sum(len(s.tokens) for s in routed)),
+    return {"backend": args.backend, "samples": len(routed), "tokens": int(sum(len(s.tokens) for s in routed)),
             "step_s_off": round(off, 4), "step_s_on": round(on, 4), "overhead": round(on / off - 1, 4),
             "routing_agreement_on": agreement[True], "steps_done": len(times[False])}
 
@@ -234,6 +235,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"],
+                   help="the trainer part's backend (one rank)")
     p.add_argument("--sample-tokens", type=int, default=256)
     p.add_argument("--microbatch-tokens", type=int, default=4096)
     p.add_argument("--wire-tokens", type=int, default=4096)
