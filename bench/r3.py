@@ -16,8 +16,8 @@ routing bytes per sample on the wire. Prints one JSON line:
   prefill cancelled: the same figure for 25% more decode steps; the small MoE decodes eagerly,
   an expert loop per layer, and that bench outran its 110 s limit on an H200.)
 - Trainer: a one-rank FSDP backend (`--backend megatron`: the Megatron backend, whose replay is
-  megatron-core's RouterReplay per MoE layer), lr 0 (the same weights every step), old log-probs recomputed
-  (the no-grad pass replays too), the same GRPO batch with routing on every sample; off = the
+  megatron-core's RouterReplay per MoE layer), lr 0 (the same weights every step), old log-probs
+  recomputed (the no-grad pass replays too), the same GRPO batch with routing on every sample; off = the
   batch without routing (nothing patched runs but the router's own top-k), on = replay. Medians of
   `--steps` steps after one warm-up, alternated.
 - Wire: one sample of `--wire-tokens` tokens with the model's (layers, top_k): SGLang's int32, its
@@ -161,8 +161,9 @@ def trainer_bench(path: Path, args, budget: Budget) -> dict:
 
     cfg = json.loads((path / "config.json").read_text())
     L, k, E = cfg["num_hidden_layers"], cfg["num_experts_per_tok"], cfg.get("num_experts") or cfg["num_local_experts"]
-    tcfg = TrainConfig(backend=args.backend, model_path=str(path), param_dtype="bfloat16" if args.device == "cuda" else "float32",
-                       lr=0.0, old_logprobs="recompute", max_tokens_per_microbatch=args.microbatch_tokens)
+    tcfg = TrainConfig(backend=args.backend, model_path=str(path),
+                       param_dtype="bfloat16" if args.device == "cuda" else "float32", lr=0.0,
+                       old_logprobs="recompute", max_tokens_per_microbatch=args.microbatch_tokens)
     backend = make_backend(args.backend)
     backend.init(tcfg, RankInfo(), LossConfig())
     rng = np.random.default_rng(0)
