@@ -30,8 +30,13 @@ Prints one JSON line per model:
   reports `hbm_copy_s` (one device copy of the same bytes) and `stall_over_copy` = (stall - pause
   - resume) / hbm_copy_s (target <= 1.3): by default the trainer writes into the engine's own
   weights (weights.colocated_direct); `--colocated-buckets` times the flat-bucket path instead
-  (the engine copies each bucket out: two copies per byte). `--transport disk_delta` changes every weight a little
-  before each publish, so each delta is a real one. `--batch-below-kb 1024,0` times the direct writes
+  (the engine copies each bucket out: two copies per byte). `--transport disk_delta` runs one real
+  AdamW step (`adamw_step`, untimed) before each publish, so each delta is what a step of RL
+  ships; its line has the publish's own `delta_frac` (payload / full) and `changed_frac`, and no
+  separate delta pass runs. A request streams from the engine through all its rounds (greedy,
+  1,500 tokens, then the next): `decode_ms_per_token_idle` (2 s before each publish, after the
+  step), `decode_ms_per_token_publishing` and `decode_max_gap_ms_publishing` (the longest wait
+  between two streamed parts during a publish) say what generation saw. The engine decodes on `--delta-threads` threads, as the trainer encodes. `--batch-below-kb 1024,0` times the direct writes
   with tensors below that size in one _foreach_copy_ per bucket (weights.colocated_batch_below_bytes;
   0: a copy_ each), one line each.
 - Output as it is measured: per model and variant, a `"part": "publish"` line as soon as its
@@ -210,12 +215,9 @@ async def check_engine(model, url: str, bucket_bytes: int) -> tuple[int, str]:
     return len(trainer), algorithm
 
 
-def delta_after_one_step(model, device: torch.device, threads: int, deadline: float | None = None) -> dict:
-    """One real AdamW step (lr 1e-6, fp32 master, bf16 weights), then the disk-delta payload.
-    Past `deadline` (perf_counter) the encode stops after the tensor at hand (at least one): the
-    fraction is then over the tensors done (`delta_tensors` of `delta_of_tensors`)."""
-    from miles.weights.delta_format import encode_chunks
-    old = {n: t.detach().clone() for n, t in hf_tensors(model, 1 << 30)}
+def adamw_step(model, device: torch.device) -> None:
+    """One real AdamW step: a forward/backward on random tokens, lr 1e-6 on fp32 master copies,
+    the weights rounded back to bf16 (what a disk delta ships after a step of RL)."""
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, vocab, (2, 256), generator=gen).to(device)
@@ -235,6 +237,15 @@ def delta_after_one_step(model, device: torch.device, threads: int, deadline: fl
             del master, opt
     model.eval()
     sync(device)
+
+
+def delta_after_one_step(model, device: torch.device, threads: int, deadline: float | None = None) -> dict:
+    """One real AdamW step (`adamw_step`), then the disk-delta payload.
+    Past `deadline` (perf_counter) the encode stops after the tensor at hand (at least one): the
+    fraction is then over the tensors done (`delta_tensors` of `delta_of_tensors`)."""
+    from miles.weights.delta_format import encode_chunks
+    old = {n: t.detach().clone() for n, t in hf_tensors(model, 1 << 30)}
+    adamw_step(model, device)
     progress("delta: optimizer step done; encoding")
     t = time.perf_counter()
     full = payload = changed = elements = done = 0
@@ -252,7 +263,7 @@ def delta_after_one_step(model, device: torch.device, threads: int, deadline: fl
             ob = a.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             _, chunks = encode_chunks(nb, ob, codec="zlib", level=1, chunk_bytes=64 << 20, pool=pool)
             full += nb.nbytes
-            payload += sum(len(c) for c, _ in chunks)
+            payload += sum(memoryview(c).nbytes for c, _, _ in chunks)
     return {"delta_frac": payload / full, "delta_changed_frac": changed / elements,
             "delta_payload_bytes": payload, "delta_encode_s": time.perf_counter() - t,
             "delta_tensors": done, "delta_of_tensors": total, "delta_bytes_covered": full}
@@ -269,11 +280,67 @@ def device_copy_s(nbytes: int, device: torch.device) -> float:
     return time.perf_counter() - t
 
 
-def perturb(model) -> None:
-    """Change every weight a little, as an optimizer step does (disk_delta ships the change)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.0 + 2 ** -6)  # above bf16 rounding (2^-8 relative)
+class DecodeWatch:
+    """One request after another streaming from the engine (greedy, ignore_eos) for as long as
+    the bench runs: when each streamed part arrived and how many tokens the request had then.
+    disk_delta never pauses the engine; these say what a request saw while a delta was encoded,
+    prepared and applied (as the client sees it: its event loop shares the host with the encode)."""
+
+    def __init__(self, url: str, max_new_tokens: int):
+        from miles.engines.client import EngineClient
+        self.client, self.max_new_tokens = EngineClient(url), max_new_tokens
+        self.parts: list[tuple[float, float]] = []  # (arrival, seconds per token since the last part)
+        self.task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                last_t, last_n = None, 0
+                async for part in self.client.generate_stream(
+                        [5, 17, 42, 7, 99, 3], {"max_new_tokens": self.max_new_tokens, "temperature": 0.0,
+                                                "ignore_eos": True}, timeout_s=600):
+                    t, n = time.perf_counter(), len(part.output_ids)
+                    if last_t is not None and n > last_n:
+                        self.parts.append((t, (t - last_t) / (n - last_n)))
+                    last_t, last_n = t, n
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported with the figures
+            self.error = e
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self._run())
+        for _ in range(600):  # the first tokens, within a minute
+            if len(self.parts) >= 8 or self.error is not None:
+                break
+            await asyncio.sleep(0.1)
+        if self.error is not None or len(self.parts) < 8:
+            raise RuntimeError(f"decode watch: no tokens streamed from the engine within 60 s ({self.error!r})")
+
+    def window(self, t0: float, t1: float) -> list[float]:
+        return [g for t, g in self.parts if t0 <= t < t1]
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self.client.close()
+
+
+def decode_figures(watch: DecodeWatch, idle: list[tuple[float, float]],
+                   busy: list[tuple[float, float]]) -> dict:
+    """ms per token while nothing was published (`idle` windows) and while a delta was (`busy`):
+    medians, and the longest gap a request saw during a publish (the apply's stall included)."""
+    def gaps(windows):
+        return [g for a, b in windows for g in watch.window(a, b)]
+    quiet, during = gaps(idle), gaps(busy)
+    ms = lambda x: round(1e3 * x, 2)  # noqa: E731
+    return {"decode_ms_per_token_idle": ms(statistics.median(quiet)) if quiet else None,
+            "decode_ms_per_token_publishing": ms(statistics.median(during)) if during else None,
+            "decode_max_gap_ms_publishing": ms(max(during)) if during else None,
+            "decode_tokens_publishing": len(during),
+            "decode_error": repr(watch.error) if watch.error else None}
 
 
 def timeline_summary(transport) -> dict:
@@ -321,7 +388,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
         cfg = WeightsConfig(transport=kind, bucket_bytes=variants[0][0], group_backend=backend,
                             queue_depth=args.queue_depth, inflight_buckets=variants[0][1],
                             direct_min_bytes=variants[0][2], connect_timeout_s=300,
-                            colocated_direct=not args.colocated_buckets,
+                            colocated_direct=not args.colocated_buckets, delta_threads=args.delta_threads,
                             disk_dir=str(work / "disk") if kind in ("disk", "disk_delta") else "")
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
@@ -347,15 +414,28 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
             version += 1
             progress(f"{name}: warm-up publish done; {args.rounds} timed rounds")
             pub_s, paused, parts = [], [], []
+            watch, idle, busy = None, [], []
+            if kind == "disk_delta":  # it never pauses: a request streams through every round
+                watch = DecodeWatch(engine.url, max_new_tokens=1500)
+                await watch.start()
             for r in range(args.rounds):
-                if kind == "disk_delta":
-                    perturb(model)  # a delta of unchanged weights would be empty
+                if kind == "disk_delta":  # a delta of unchanged weights would be empty
+                    await asyncio.to_thread(adamw_step, model, trainer_device)
+                    t = time.perf_counter()
+                    await asyncio.sleep(2.0)  # the decode speed with nothing published
+                    idle.append((t, time.perf_counter()))
+                t = time.perf_counter()
                 report = await publisher.publish(version, run_update_for(model, transport, version, vb))
+                busy.append((t, time.perf_counter()))
                 version += 1
                 pub_s.append(report.seconds)
                 paused.append(report.paused_s)
                 parts.append(report.metrics())
                 direct = report.direct_tensors
+            decode = {}
+            if watch is not None:
+                await watch.stop()
+                decode = decode_figures(watch, idle, busy)
             seconds = statistics.median(pub_s)
             raw_seconds = statistics.median(raw_s) if raw_s else None
             stall = {k.split("/", 1)[1]: statistics.median(m[k] for m in parts) for k in parts[0]
@@ -371,7 +451,9 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 "bench": "weights", "model": name, "bytes": nbytes,
                 "transport": kind if backend == "nccl" or kind != "nccl" else "nccl(gloo)",
                 "seconds": seconds, "GBps": nbytes / seconds / 1e9, **stall, **ref,
-                "payload_bytes": report.payload_bytes, "delta_frac": None, "machine": machine(),
+                "payload_bytes": report.payload_bytes, "machine": machine(),
+                "delta_frac": report.payload_bytes / report.bytes if kind == "disk_delta" else None,
+                "changed_frac": report.changed_frac, **decode,
                 "paused_s": statistics.median(paused),
                 "bucket_bytes": vb, "inflight_buckets": vi, "buckets": math.ceil(nbytes / vb),
                 "direct_min_bytes": vd, "direct_tensors": direct, "publish_s_all": pub_s,
@@ -398,7 +480,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
         if raw is not None:
             await asyncio.to_thread(raw.close)
         await engine.stop_async()
-    if not args.no_delta:
+    if not args.no_delta and kind != "disk_delta":  # disk_delta: its publishes measured it
         deadline = T0 + args.budget_s if args.budget_s > 0 else None
         delta = delta_after_one_step(model, trainer_device, args.delta_threads, deadline)
         progress(f"{name}: delta encoded in {delta['delta_encode_s']:.1f} s")

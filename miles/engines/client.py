@@ -573,12 +573,16 @@ class EngineClient:
 
     async def update_weights_from_delta(self, phase: Literal["prepare", "apply", "discard"],
                                         path: str = "", *, weight_version: str | int | None = None,
+                                        threads: int | None = None,
                                         timeout_s: float | None = None) -> dict:
         """Embedded-engine extension (disk-delta updates): `prepare` decodes and verifies the delta
-        at `path` while generation continues; `apply` swaps it in; `discard` drops it."""
+        at `path` while generation continues (on `threads` threads); `apply` swaps it in;
+        `discard` drops it."""
         body: dict[str, Any] = {"phase": phase, "path": str(path)}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if threads is not None:
+            body["threads"] = threads
         return await self._post("/update_weights_from_delta", body, retry=False,
                                 timeout_s=self.weight_update_timeout_s if timeout_s is None else timeout_s)
 

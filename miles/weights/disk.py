@@ -45,10 +45,16 @@ def copy_model_files(source_dir: str | Path, out_dir: Path, dtype: torch.dtype |
             shutil.copy2(f, out_dir / f.name)
 
 
-def prune(root: Path, prefix: str, keep: int) -> None:
-    """Delete all but the newest `keep` version directories named `<prefix>NNNNNN`."""
-    dirs = sorted(p for p in root.glob(f"{prefix}[0-9]*") if p.is_dir() and p.name[len(prefix):].isdigit())
-    for p in dirs[:-keep]:
+def prune(root: Path, prefix: str, keep: int, current: int) -> None:
+    """Keep `current` and the newest `keep` - 1 version directories below it (`<prefix>NNNNNN`).
+    Directories numbered above `current` are stale, left by an earlier run that got further (a run
+    resumed from an older checkpoint publishes those numbers again): they go too, or they would
+    count as newer and push out the version just written."""
+    dirs = sorted((int(p.name[len(prefix):]), p) for p in root.glob(f"{prefix}[0-9]*")
+                  if p.is_dir() and p.name[len(prefix):].isdigit())
+    older = [p for v, p in dirs if v < current]
+    stale = [p for v, p in dirs if v > current]
+    for p in stale + older[:max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -126,7 +132,7 @@ class DiskTransport(WeightTransport):
                                  what=f"version {version}: /update_weights_from_disk {self._final}",
                                  timeout_s=self.cfg.commit_timeout_s)
             self._stats.load_s = time.perf_counter() - t
-            prune(self.root, "v", self.cfg.keep_versions)
+            prune(self.root, "v", self.cfg.keep_versions, version)
         except BaseException:
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise

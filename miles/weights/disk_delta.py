@@ -28,7 +28,9 @@ Design decisions:
 - Deltas are in the engines' dtype (read from `/model_info` at connect), because the engine XORs
   against its own bytes; all engines must agree on it. This needs the embedded engine's
   `/update_weights_from_delta` (SGLang has no such endpoint).
-- Compression runs on `delta_threads` threads (zlib/lzma/zstd release the GIL), chunk by chunk.
+- Compression, checksums and change counts run on `delta_threads` threads (zlib/lzma/zstd,
+  hashlib and numpy release the GIL), chunk by chunk; the engines decode on as many
+  (`prepare` sends the number).
 - Each engine's `prepare` answer says where it staged the delta (`staged_on`: its GPU when it has
   room, else "cpu"); `staged_on` keeps them, one per engine, and the trainer logs them, because
   the engine's own line is INFO and engines usually run at `--log-level warning`.
@@ -45,7 +47,7 @@ import torch
 
 from miles.weights.base import TransferStats, WeightTransport
 from miles.weights.config import WeightsConfig
-from miles.weights.delta_format import DeltaWriter, encode_chunks, sha256
+from miles.weights.delta_format import DeltaWriter, encode_tensors
 from miles.weights.disk import prune, version_dir
 from miles.weights.engine_calls import EngineCalls, EngineCallError
 
@@ -57,7 +59,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """A private uint8 copy of `t` in `dtype` (never aliasing a live parameter)."""
     host = t.detach().to(dtype=dtype).contiguous().cpu().reshape(-1)
-    return host.view(torch.uint8).numpy().copy()
+    out = host.view(torch.uint8).numpy()
+    aliases = t.device.type == "cpu" and host.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    return out.copy() if aliases else out
 
 
 class DiskDeltaTransport(WeightTransport):
@@ -118,16 +122,17 @@ class DiskDeltaTransport(WeightTransport):
         if self._error is not None:
             return  # keep the backend iterating (collective gather); finish() reports
         try:
-            items = []
             dtype_name = str(self.engine_dtype).removeprefix("torch.")
-            for name, t in named_tensors:
-                new = tensor_bytes(t, self.engine_dtype)
-                base = self._base.get(name) if self._writer.base_version is not None else None
-                kind, chunks = encode_chunks(new, base, codec=self.cfg.delta_codec,
-                                             level=self.cfg.delta_level,
-                                             chunk_bytes=self.cfg.delta_chunk_bytes, pool=self._pool)
-                digest = sha256(new)
-                self._count_changed(new, base)
+            with_base = self._writer.base_version is not None
+            news = [(name, t, tensor_bytes(t, self.engine_dtype)) for name, t in named_tensors]
+            pairs = [(new, self._base.get(name) if with_base else None) for name, _, new in news]
+            counts = [self._pool.submit(self._count_changed, new, base) for new, base in pairs]
+            encoded = encode_tensors(pairs, codec=self.cfg.delta_codec, level=self.cfg.delta_level,
+                                     chunk_bytes=self.cfg.delta_chunk_bytes, pool=self._pool)
+            items = []
+            for (name, t, new), (kind, chunks, digest), count in zip(news, encoded, counts):
+                self._stats.elements += new.nbytes // self.engine_dtype.itemsize
+                self._stats.changed_elements += count.result()
                 items.append((name, dtype_name, list(t.shape), kind, chunks, digest,
                               self._base_sha.get(name) if kind == "xor" else None))
                 self._next[name], self._next_sha[name] = new, digest
@@ -136,16 +141,14 @@ class DiskDeltaTransport(WeightTransport):
         except Exception as e:  # noqa: BLE001
             self._error = e
 
-    def _count_changed(self, new: np.ndarray, base: np.ndarray | None) -> None:
+    def _count_changed(self, new: np.ndarray, base: np.ndarray | None) -> int:
         """Elements of the engine dtype that differ from the base (all of them without one)."""
         size = self.engine_dtype.itemsize
         n = new.nbytes // size
-        self._stats.elements += n
         if base is None or base.nbytes != new.nbytes:
-            self._stats.changed_elements += n
-            return
+            return n
         as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
-        self._stats.changed_elements += int(np.count_nonzero(new.view(as_int) != base.view(as_int)))
+        return int(np.count_nonzero(new.view(as_int) != base.view(as_int)))
 
     def finish(self, version: int) -> None:
         if self._writer is None:
@@ -158,7 +161,7 @@ class DiskDeltaTransport(WeightTransport):
         manifest = writer.close()
         self._stats.payload_bytes = manifest.payload_bytes
         self.last_manifest = manifest
-        prune(self.root, "delta-v", self.cfg.keep_versions)
+        prune(self.root, "delta-v", self.cfg.keep_versions, version)
         log.info("delta v%d: %.1f MiB of %.1f MiB (%.2f%%), base %s", version,
                  manifest.payload_bytes / 2**20, manifest.full_bytes / 2**20,
                  100 * manifest.payload_bytes / max(manifest.full_bytes, 1), manifest.base_version)
@@ -169,7 +172,7 @@ class DiskDeltaTransport(WeightTransport):
         self.staged_on = []
         try:
             answers = self._calls.call_all("update_weights_from_delta", "prepare", str(self.delta_dir),
-                                           weight_version=str(version),
+                                           weight_version=str(version), threads=self.cfg.delta_threads,
                                            timeout_s=self.cfg.prepare_timeout_s,
                                            what=f"version {version}: prepare delta {self.delta_dir}")
         except EngineCallError:

@@ -97,6 +97,66 @@ def test_damage_is_detected_with_a_clear_error(tmp_path):
         read_manifest(tmp_path)
 
 
+def test_raw_chunks_are_stored_and_xor_chunks_only_when_they_do_not_shrink(tmp_path):
+    old, new = one_step(4)
+    noise = np.random.default_rng(0).integers(0, 256, new.nbytes, dtype=np.uint8)  # XOR won't shrink
+    zeros = np.zeros(4096, dtype=np.uint8)
+    manifest, d = write_delta(tmp_path, [("raw", new, None), ("xor", new, old),
+                                         ("noise", new ^ noise, new), ("zeros", zeros, None)])
+    raw, xor, noisy, empty = manifest.entries
+    assert raw.kind == "raw" and all(c.stored and c.length == c.raw_length for c in raw.chunks)
+    assert xor.kind == "xor" and not any(c.stored for c in xor.chunks)
+    assert sum(c.length for c in xor.chunks) < 0.5 * new.nbytes
+    assert noisy.kind == "xor" and all(c.stored for c in noisy.chunks)
+    assert all(c.length == 0 for c in empty.chunks)  # an all-zero raw tensor costs nothing either
+    for entry, want, base in ((raw, new, None), (xor, new, old), (noisy, new ^ noise, new),
+                              (empty, zeros, None)):
+        assert np.array_equal(decode_entry(d, manifest, entry, base), want), entry.name
+    # A stored chunk whose length is not its raw length is named as corrupted.
+    bad = msgspec.structs.replace(raw, chunks=[msgspec.structs.replace(raw.chunks[0], length=10),
+                                               *raw.chunks[1:]])
+    with pytest.raises(DeltaError, match=r"tensor 'raw': chunk 0 is corrupted: stored with 10 bytes"):
+        decode_entry(d, manifest, bad, None)
+
+
+def test_a_bucket_is_encoded_chunk_by_chunk_on_the_pool_as_one_tensor_is(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from miles.weights.delta_format import encode_tensors
+    pairs = [one_step(5 + k, n=20_000 * (k + 1)) for k in range(3)]
+    pairs = [(new, old) for old, new in pairs] + [(pairs[0][1], None)]
+    with ThreadPoolExecutor(3) as pool:
+        got = encode_tensors(pairs, codec="zlib", level=1, chunk_bytes=8 << 10, pool=pool)
+    for (new, base), (kind, chunks, digest) in zip(pairs, got):
+        want_kind, want = encode_chunks(new, base, codec="zlib", level=1, chunk_bytes=8 << 10, pool=None)
+        assert kind == want_kind and digest == sha256(new)
+        assert [(bytes(c), n, st) for c, n, st in chunks] == [(bytes(c), n, st) for c, n, st in want]
+    assert [k for k, _, _ in got] == ["xor", "xor", "xor", "raw"]
+
+
+def test_a_manifest_written_before_stored_chunks_still_decodes(tmp_path):
+    old, new = one_step(8)
+    manifest, d = write_delta(tmp_path, [("w", new, old)])
+    raw = msgspec.json.decode((d / "manifest.json").read_bytes())
+    raw["entries"][0]["chunks"] = [c[:3] for c in raw["entries"][0]["chunks"]]  # [offset, length, raw]
+    (d / "manifest.json").write_bytes(msgspec.json.encode(raw))
+    back = read_manifest(d)
+    assert not any(c.stored for c in back.entries[0].chunks)
+    assert np.array_equal(decode_entry(d, back, back.entries[0], old), new)
+
+
+def test_pruning_keeps_the_version_just_written_when_a_resumed_run_repeats_numbers(tmp_path):
+    from miles.weights.disk import prune
+    for v in (3, 4, 5, 9, 10):  # 9 and 10: an earlier run that got further than this one
+        (tmp_path / f"delta-v{v:06d}").mkdir()
+    (tmp_path / "delta-v000011.tmp").mkdir()  # not a version directory: left alone
+    prune(tmp_path, "delta-v", 2, current=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["delta-v000004", "delta-v000005",
+                                                         "delta-v000011.tmp"]
+    prune(tmp_path, "delta-v", 1, current=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["delta-v000005", "delta-v000011.tmp"]
+
+
 def test_decompression_is_bounded_by_the_declared_length():
     bomb = zlib.compress(bytes(10 << 20))
     with pytest.raises(DeltaError, match=r"decodes to 1025\+ bytes, expected 1024"):

@@ -1,6 +1,7 @@
 """`POST /update_weights_from_delta`: disk-delta weight updates (a Miles extension, not SGLang).
 
-    {"phase": "prepare", "path": DIR, "weight_version": "5"}   decode + verify while serving
+    {"phase": "prepare", "path": DIR, "weight_version": "5", "threads": 4}
+                                                               decode + verify while serving
     {"phase": "apply", "weight_version": "5"}                  swap the prepared weights in
     {"phase": "discard"}                                       drop what was prepared
 
@@ -11,8 +12,10 @@ what generation waited) and `in_flight_requests` (requests that crossed the upda
 
 Design decisions:
 - Generation never stops for a delta. `prepare` reads the manifest, decompresses each tensor,
-  XORs it with the engine's current bytes and checks the new tensor's sha256, all on a worker
-  thread while the scheduler keeps generating. `apply` needs no pause either: it takes the
+  XORs it with the engine's current bytes and checks the new tensor's sha256, all on worker
+  threads (`threads` tensors at a time: zlib, hashlib and numpy release the GIL) while the
+  scheduler keeps generating; the decoded tensors are staged in the manifest's order, at most
+  2 x `threads` of them waiting in host memory ahead of the staging. `apply` needs no pause either: it takes the
   scheduler's step lock, so the swap lands between two steps (as a pause would, minus the round
   trips); running and queued requests keep their KV (computed by the old weights, as with
   SGLang's in_place pause) and their next token is the new weights', recorded under the new
@@ -49,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,10 +66,14 @@ log = logging.getLogger(__name__)
 DEVICE_HEADROOM_BYTES = 2 << 30  # left free for the KV cache's growth and activations
 
 
+MAX_THREADS = 64
+
+
 class DeltaReq(msgspec.Struct):
     phase: Literal["prepare", "apply", "discard"]
     path: str = ""
     weight_version: str | None = None
+    threads: int = 4  # decode threads (the trainer sends weights.delta_threads)
 
 
 @dataclass
@@ -112,13 +120,16 @@ class DeltaUpdates:
         from miles.weights.delta_format import DeltaError
         if not b.path:
             raise BadRequest("path: required for phase 'prepare'", "path")
+        if not 1 <= b.threads <= MAX_THREADS:
+            raise BadRequest(f"threads: {b.threads} is not in [1, {MAX_THREADS}]", "threads")
         srv = self.server
         async with self._preparing:
             self.staged = None
             serial, current = srv.weights_serial, srv.scheduler.weight_version
             t0 = time.perf_counter()
             try:
-                version, tensors, staging = await asyncio.to_thread(self._decode, b.path, current)
+                version, tensors, staging = await asyncio.to_thread(self._decode, b.path, current,
+                                                                    b.threads)
             except (DeltaError, KeyError, ValueError, OSError) as e:
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
                 log.warning("delta %s refused: %s", b.path, msg)
@@ -137,7 +148,7 @@ class DeltaUpdates:
                       "message": f"Prepared delta v{version} ({len(tensors)} tensors) in "
                                  f"{time.perf_counter() - t0:.2f} s"})
 
-    def _decode(self, path: str, current_version: str):
+    def _decode(self, path: str, current_version: str, threads: int):
         from miles.weights.delta_format import DeltaError, decode_entry, read_manifest
         weights = self.server.runner.model.weights
         manifest = read_manifest(path)
@@ -145,23 +156,40 @@ class DeltaUpdates:
             raise DeltaError(f"delta {path!r} (v{manifest.version}) applies to version "
                              f"{manifest.base_version}; this engine serves version {current_version!r}")
         engine_dtype = str(weights.dtype).removeprefix("torch.")
-        staging = _staging_device(weights.device, manifest)
-        stream = torch.cuda.Stream(weights.device) if staging.type == "cuda" else None
-        out = []
-        for entry in manifest.entries:
+        targets = []
+        for entry in manifest.entries:  # every name and shape checked before any decoding
             dst = weights.lookup(entry.name)  # KeyError names the weight
             if list(dst.shape) != list(entry.shape) or entry.dtype != engine_dtype:
                 raise DeltaError(f"delta {path!r} tensor {entry.name!r}: {entry.dtype} {entry.shape}, "
                                  f"this engine holds {engine_dtype} {list(dst.shape)}")
+            targets.append((entry, dst))
+        staging = _staging_device(weights.device, manifest)
+        stream = torch.cuda.Stream(weights.device) if staging.type == "cuda" else None
+
+        def one(entry, dst) -> torch.Tensor:
             current = None
             if entry.kind == "xor":
                 current = dst.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-            new = decode_entry(path, manifest, entry, current)
-            tensor = torch.from_numpy(new).view(dst.dtype).reshape(dst.shape)
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    tensor = tensor.pin_memory().to(staging, non_blocking=True)
-            out.append((entry.name, tensor))
+            return torch.from_numpy(decode_entry(path, manifest, entry, current)).view(dst.dtype).reshape(dst.shape)
+
+        out = []
+        window = 2 * threads
+        with ThreadPoolExecutor(threads, thread_name_prefix="delta-decode") as pool:
+            pending = [pool.submit(one, *t) for t in targets[:window]]
+            try:
+                for k, (entry, _) in enumerate(targets):
+                    tensor = pending[k].result()
+                    pending[k] = None  # the host copy goes once it is staged
+                    if k + window < len(targets):
+                        pending.append(pool.submit(one, *targets[k + window]))
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            tensor = tensor.pin_memory().to(staging, non_blocking=True)
+                    out.append((entry.name, tensor))
+            finally:
+                for f in pending:
+                    if f is not None:
+                        f.cancel()
         if stream is not None:
             stream.synchronize()  # staged and complete before apply's copies read them
         return manifest.version, out, staging
