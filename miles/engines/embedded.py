@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-kv", type=float, default=0.5,
                    help="fraction of free device memory for the KV pool when --max-total-tokens is unset")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op CPU threads")
+    p.add_argument("--delta-staging", choices=("auto", "dense", "sparse"), default="auto",
+                   help="where a disk delta waits between prepare and apply: auto: whole tensors on "
+                        "the GPU if they fit, else only the changed elements there, else whole "
+                        "tensors on the host; dense: never sparse; sparse: the changed elements "
+                        "wherever the delta allows (on a CPU engine too)")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks: this process is rank 0 and starts the others "
                         "(CPU: gloo; cuda: rank r on GPU device+r, NCCL)")

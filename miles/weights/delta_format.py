@@ -58,6 +58,8 @@ class DeltaEntry(msgspec.Struct, forbid_unknown_fields=True):
     chunks: list[Chunk]
     sha256: str                      # of the new tensor's raw bytes
     base_sha256: str | None = None   # of the bytes the XOR applies to ("xor" only)
+    changed: int | None = None       # elements that differ from the base ("xor"; the engine sizes
+                                     # a sparse staging by it)
 
 
 class DeltaManifest(msgspec.Struct, forbid_unknown_fields=True):
@@ -192,14 +194,14 @@ class DeltaWriter:
         self.full_bytes = self.payload_bytes = 0
         self.files = 0
 
-    def write_bucket(self, items: list[tuple[str, str, list[int], str, list[Encoded], str,
-                                             str | None]]) -> None:
-        """items: (name, dtype, shape, kind, chunks, sha256, base_sha256), written to one file."""
+    def write_bucket(self, items: list[tuple]) -> None:
+        """items: (name, dtype, shape, kind, chunks, sha256, base_sha256[, changed elements]),
+        written to one file."""
         fname = f"data-{self.files:05d}.bin"
         self.files += 1
         offset = 0
         with open(self.tmp / fname, "wb") as f:
-            for name, dtype, shape, kind, chunks, digest, base_digest in items:
+            for name, dtype, shape, kind, chunks, digest, base_digest, *changed in items:
                 out = []
                 for data, raw, stored in chunks:
                     f.write(data)
@@ -208,7 +210,7 @@ class DeltaWriter:
                     offset += n
                     self.full_bytes += raw
                 self.entries.append(DeltaEntry(name, dtype, list(shape), kind, fname, out, digest,
-                                               base_digest))
+                                               base_digest, changed[0] if changed and kind == "xor" else None))
         self.payload_bytes += offset
 
     def close(self) -> DeltaManifest:

@@ -83,7 +83,7 @@ class DiskDeltaTransport(WeightTransport):
         self.delta_dir: Path | None = None
         self.last_manifest = None
         self.staged_on: list[str] = []  # per engine, from the last prepare: "cuda:0", "cpu"
-        self.applied: list[dict] = []   # per engine, from the last commit: swapped, copied, swap_s
+        self.applied: list[dict] = []   # per engine, from the last commit: swapped, copied, scattered, swap_s
 
     def connect(self, engine_urls: list[str]) -> None:
         if not self.is_sender:
@@ -131,10 +131,11 @@ class DiskDeltaTransport(WeightTransport):
                                      chunk_bytes=self.cfg.delta_chunk_bytes, pool=self._pool)
             items = []
             for (name, t, new), (kind, chunks, digest), count in zip(news, encoded, counts):
+                changed = count.result()
                 self._stats.elements += new.nbytes // self.engine_dtype.itemsize
-                self._stats.changed_elements += count.result()
+                self._stats.changed_elements += changed
                 items.append((name, dtype_name, list(t.shape), kind, chunks, digest,
-                              self._base_sha.get(name) if kind == "xor" else None))
+                              self._base_sha.get(name) if kind == "xor" else None, changed))
                 self._next[name], self._next_sha[name] = new, digest
             self._writer.write_bucket(items)
             self._stats.buckets += 1
@@ -195,10 +196,10 @@ class DiskDeltaTransport(WeightTransport):
             raise
         self._base, self._base_sha, self._base_version = self._next, self._next_sha, version
         self._next, self._next_sha = {}, {}
-        self.applied = [{k: a.get(k) for k in ("swapped", "copied", "swap_s")} if isinstance(a, dict)
-                        else {} for a in answers]
+        self.applied = [{k: a.get(k) for k in ("swapped", "copied", "scattered", "swap_s")}
+                        if isinstance(a, dict) else {} for a in answers]
         log.info("delta v%d applied while serving: %s", version, "; ".join(
-            f"{a.get('swapped')} swapped, {a.get('copied')} copied in "
+            f"{a.get('swapped')} swapped, {a.get('copied')} copied, {a.get('scattered')} scattered in "
             f"{1e3 * float(a.get('swap_s') or 0.0):.1f} ms" for a in self.applied))
 
     def abandon(self, version: int) -> None:

@@ -177,3 +177,37 @@ async def test_disk_delta_into_a_cuda_engine(graphs, tmp_path):
         transport.close()
     finally:
         await engine.stop_async()
+
+
+async def test_a_sparse_disk_delta_is_scattered_on_the_gpu_under_cuda_graphs(tmp_path):
+    """--delta-staging sparse: only the changed elements go to the GPU and `apply` writes them into
+    the live weights in place, so the captured decode graphs keep their addresses."""
+    path = build_tiny_model(**MODEL)
+    torch.cuda.empty_cache()
+    engine = await launch_embedded_engine(path, extra_args=[
+        "--device", "cuda:0", *ENGINE, "--log-level", "info", "--delta-staging", "sparse"],
+        log_path=tmp_path / "engine.log")
+    try:
+        model = plain_model(path, "cuda:0")
+        cfg = WeightsConfig(transport="disk_delta", check_weights=True, disk_dir=str(tmp_path / "d"))
+        transport = make_transport(cfg, rank=0)
+        publisher = WeightPublisher(cfg, [engine.url], transport)
+        await publisher.connect()
+        nudge(model)
+        await publisher.publish(1, run_update(model, transport, 1))
+        nudge(model, 1e-5)
+        second = await publisher.publish(2, run_update(model, transport, 2))
+        assert second.checked and transport.staged_on == ["cuda:0"]
+        [applied] = transport.applied
+        assert applied["scattered"] == second.tensors and applied["swapped"] == 0, applied
+        assert "staged on cuda:0 (sparse:" in (tmp_path / "engine.log").read_text()
+        client = EngineClient(engine.url)
+        try:
+            out = await client.generate([5, 17, 42], {"max_new_tokens": 8})
+        finally:
+            await client.close()
+        assert len(out.output_ids) == 8 and out.weight_version == "2"
+        await publisher.close()
+        transport.close()
+    finally:
+        await engine.stop_async()

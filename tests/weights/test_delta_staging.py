@@ -26,6 +26,81 @@ def test_staging_device_needs_the_delta_plus_headroom_free(monkeypatch):
     assert delta._staging_device(torch.device("cpu"), manifest) == torch.device("cpu")
 
 
+def test_the_changed_elements_are_staged_on_the_gpu_when_whole_tensors_do_not_fit(monkeypatch):
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    xor = SimpleNamespace(kind="xor", changed=1000, shape=[100, 100], dtype="bfloat16")
+    manifest = SimpleNamespace(full_bytes=1 << 30, entries=[xor, xor])
+    sparse = 2 * 1000 * (4 + 2)  # an int32 index and a bf16 value per changed element
+    assert delta._sparse_bytes(manifest) == sparse
+    head = delta.DEVICE_HEADROOM_BYTES
+    for free, mode, want in ((manifest.full_bytes + head + 1, "auto", (gpu, False)),
+                             (manifest.full_bytes + head + 1, "sparse", (gpu, True)),
+                             (sparse + head + 1, "auto", (gpu, True)),
+                             (sparse + head + 1, "dense", (cpu, False)),
+                             (sparse + head, "auto", (cpu, False))):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, 1 << 40))
+        assert delta._staging_plan(gpu, manifest, mode) == want, (free, mode)
+    assert delta._staging_plan(cpu, manifest, "auto") == (cpu, False)
+    assert delta._staging_plan(cpu, manifest, "sparse") == (cpu, True)
+    # A raw entry, or one from a trainer that did not count its changes, is staged whole.
+    for other in (SimpleNamespace(kind="raw", changed=None, shape=[4], dtype="bfloat16"),
+                  SimpleNamespace(kind="xor", changed=None, shape=[4], dtype="bfloat16")):
+        mixed = SimpleNamespace(full_bytes=1 << 30, entries=[xor, other])
+        assert delta._sparse_bytes(mixed) is None
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (sparse + head + 1, 1 << 40))
+        assert delta._staging_plan(gpu, mixed, "auto") == (cpu, False)
+
+
+async def test_a_sparse_delta_is_scattered_into_the_live_weights(tmp_path):
+    """--delta-staging sparse on a CPU engine: the changed elements are staged and written in
+    place, the fused q/k/v and gate/up slices too; the engine then holds what the trainer sent."""
+    from miles.engines.embedded import launch_embedded_engine
+    from miles.tiny import build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(num_hidden_layers=2)
+    engine = await launch_embedded_engine(path, log_path=tmp_path / "engine.log", extra_args=[
+        "--torch-threads", "1", "--log-level", "info", "--random-seed", "0", "--delta-staging", "sparse"])
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        cfg = WeightsConfig(transport="disk_delta", check_weights=True, disk_dir=str(tmp_path / "d"),
+                            delta_threads=2)
+        transport = make_transport(cfg, rank=0)
+        publisher = WeightPublisher(cfg, [engine.url], transport)
+        await publisher.connect()
+
+        def run_update(version):
+            def run():
+                transport.begin(version)
+                transport.send_bucket([(n, p.detach()) for n, p in model.named_parameters()])
+                transport.finish(version)
+            return run
+
+        assert (await publisher.publish(1, run_update(1))).checked  # raw: staged whole
+        before = await EngineClient(engine.url).model_info()
+        with torch.no_grad():  # a few elements of every weight, as a small step moves them
+            gen = torch.Generator().manual_seed(3)
+            for p in model.parameters():
+                flat = p.view(-1)
+                idx = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 50)]
+                flat[idx] += 0.5
+        report = await publisher.publish(2, run_update(2))
+        assert report.checked and 0 < report.changed_frac < 0.05, report.changed_frac
+        n = len(transport.last_manifest.entries)
+        assert all(e.changed for e in transport.last_manifest.entries)
+        [applied] = transport.applied
+        assert applied["scattered"] == n and applied["swapped"] == applied["copied"] == 0, applied
+        log = (tmp_path / "engine.log").read_text()
+        assert f"staged on cpu (sparse: {n} as changed elements" in log
+        assert f"0 tensors swapped in, 0 copied, {n} scattered" in log
+        assert before["weight_version"] == "1"
+        assert (await EngineClient(engine.url).model_info())["weight_version"] == "2"
+        await publisher.close()
+        transport.close()
+    finally:
+        await engine.stop_async()
+
+
 async def test_a_cpu_engine_stages_on_the_host_and_says_so(tmp_path):
     from miles.engines.embedded import launch_embedded_engine
     from miles.tiny import build_tiny_model

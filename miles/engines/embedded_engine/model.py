@@ -341,6 +341,24 @@ class Weights:
                 self.copy_in(name, new)
         return swapped
 
+    def scatter_target(self, name: str) -> torch.Tensor | None:
+        """The live weight `name` as one flat view its new elements can be written into in place
+        (a contiguous tensor, or a contiguous slice of a fused one), or None: quantized, held in
+        FP8, a TP slice, or not held here."""
+        if self.quant is not None or self.tp_size != 1 or name in self.fp8 or name in self.not_held:
+            return None
+        live = self.lookup(name)
+        return live.view(-1) if live.is_contiguous() else None
+
+    def scatter_in(self, name: str, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `values` at the flat positions `index` of weight `name`, in place (a sparse
+        delta: the rest of the weight is unchanged, its address too)."""
+        flat = self.scatter_target(name)
+        if flat is None:
+            raise ValueError(f"weight {name!r}: cannot be updated in place element by element "
+                             "(quantized, FP8, a TP slice or not contiguous)")
+        flat[index.to(flat.device)] = values.to(device=flat.device, dtype=flat.dtype)
+
     def numel(self) -> int:
         return sum(t.numel() for t in self.names.values())
 
