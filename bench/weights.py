@@ -36,7 +36,8 @@ Prints one JSON line per model:
   separate delta pass runs. A request streams from the engine through all its rounds (greedy,
   1,500 tokens, then the next): `decode_ms_per_token_idle` (2 s before each publish, after the
   step), `decode_ms_per_token_publishing` and `decode_max_gap_ms_publishing` (the longest wait
-  between two streamed parts during a publish) say what generation saw. The engine decodes on `--delta-threads` threads, as the trainer encodes. `--batch-below-kb 1024,0` times the direct writes
+  between two streamed parts during a publish; `decode_max_gap_ms_by_phase`: encode, prepare,
+  commit) say what generation saw. The engine decodes on `--delta-threads` threads, as the trainer encodes. `--batch-below-kb 1024,0` times the direct writes
   with tensors below that size in one _foreach_copy_ per bucket (weights.colocated_batch_below_bytes;
   0: a copy_ each), one line each.
 - Output as it is measured: per model and variant, a `"part": "publish"` line as soon as its
@@ -329,14 +330,20 @@ class DecodeWatch:
 
 
 def decode_figures(watch: DecodeWatch, idle: list[tuple[float, float]],
-                   busy: list[tuple[float, float]]) -> dict:
+                   busy: list[tuple[float, float]], phases: list[dict[str, tuple[float, float]]]) -> dict:
     """ms per token while nothing was published (`idle` windows) and while a delta was (`busy`):
-    medians, and the longest gap a request saw during a publish (the apply's stall included)."""
+    medians, and the longest gap a request saw during a publish (the apply's stall included),
+    also per phase of the publish (encode: the trainer writes the delta; prepare: the engine
+    decodes it; commit: the swap's round trip)."""
     def gaps(windows):
         return [g for a, b in windows for g in watch.window(a, b)]
     quiet, during = gaps(idle), gaps(busy)
     ms = lambda x: round(1e3 * x, 2)  # noqa: E731
-    return {"decode_ms_per_token_idle": ms(statistics.median(quiet)) if quiet else None,
+    by_phase = {}
+    for name in ("encode", "prepare", "commit"):
+        got = gaps([p[name] for p in phases])
+        by_phase[name] = ms(max(got)) if got else None
+    return {"decode_max_gap_ms_by_phase": by_phase, "decode_ms_per_token_idle": ms(statistics.median(quiet)) if quiet else None,
             "decode_ms_per_token_publishing": ms(statistics.median(during)) if during else None,
             "decode_max_gap_ms_publishing": ms(max(during)) if during else None,
             "decode_tokens_publishing": len(during),
@@ -414,7 +421,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
             version += 1
             progress(f"{name}: warm-up publish done; {args.rounds} timed rounds")
             pub_s, paused, parts = [], [], []
-            watch, idle, busy = None, [], []
+            watch, idle, busy, phases = None, [], [], []
             if kind == "disk_delta":  # it never pauses: a request streams through every round
                 watch = DecodeWatch(engine.url, max_new_tokens=1500)
                 await watch.start()
@@ -427,6 +434,9 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 t = time.perf_counter()
                 report = await publisher.publish(version, run_update_for(model, transport, version, vb))
                 busy.append((t, time.perf_counter()))
+                # the phases on the publish's clock (a gap is counted where its part arrived)
+                e, p = t + report.transfer_s, t + report.transfer_s + report.prepare_s
+                phases.append({"encode": (t, e), "prepare": (e, p), "commit": (p, busy[-1][1] + 0.05)})
                 version += 1
                 pub_s.append(report.seconds)
                 paused.append(report.paused_s)
@@ -435,7 +445,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
             decode = {}
             if watch is not None:
                 await watch.stop()
-                decode = decode_figures(watch, idle, busy)
+                decode = decode_figures(watch, idle, busy, phases)
             seconds = statistics.median(pub_s)
             raw_seconds = statistics.median(raw_s) if raw_s else None
             stall = {k.split("/", 1)[1]: statistics.median(m[k] for m in parts) for k in parts[0]

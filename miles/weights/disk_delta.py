@@ -39,6 +39,7 @@ Design decisions:
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -194,8 +195,12 @@ class DiskDeltaTransport(WeightTransport):
             self._base, self._base_sha, self._base_version = {}, {}, None
             self._discard()
             raise
+        retired = self._base
         self._base, self._base_sha, self._base_version = self._next, self._next_sha, version
         self._next, self._next_sha = {}, {}
+        # Freeing the old base (the whole model in host memory: 15 GB at 7B) took 0.4 s; off the
+        # commit's clock, which is the publish's stall.
+        threading.Thread(target=retired.clear, name="weights-delta-free", daemon=True).start()
         self.applied = [{k: a.get(k) for k in ("swapped", "copied", "scattered", "swap_s")}
                         if isinstance(a, dict) else {} for a in answers]
         log.info("delta v%d applied while serving: %s", version, "; ".join(
