@@ -37,12 +37,13 @@ Prints one JSON line per model:
   1,500 tokens, then the next): `decode_ms_per_token_idle` (2 s before each publish, after the
   step), `decode_ms_per_token_publishing` and `decode_max_gap_ms_publishing` (the longest wait
   between two streamed parts during a publish; `decode_max_gap_ms_by_phase`: encode, prepare,
-  commit) say what generation saw. The engine decodes on `--delta-threads` threads, as the trainer encodes. `--batch-below-kb 1024,0` times the direct writes
-  with tensors below that size in one _foreach_copy_ per bucket (weights.colocated_batch_below_bytes;
-  0: a copy_ each), one line each.
+  commit) say what generation saw. The engine decodes on `--delta-threads` threads, as the
+  trainer encodes. `--batch-below-kb 1024,0` times the direct writes with tensors below that size
+  in one _foreach_copy_ per bucket (weights.colocated_batch_below_bytes; 0: a copy_ each), one
+  line each.
 - Output as it is measured: per model and variant, a `"part": "publish"` line as soon as its
   rounds are timed, then the whole line once the check and the delta are done. `--budget-s`
-  (default 80 on GPUs; 0: none) bounds the delta's encode (the slow part on a 7B: every byte to the host,
+  (default 80 on GPUs; 0: none; not with disk_delta) bounds the delta's encode (the slow part on a 7B: every byte to the host,
   XOR and zlib): past the budget it stops at a tensor boundary, and `delta_tensors` /
   `delta_of_tensors` say how much of the model the fraction covers. Progress with timings goes to
   stderr; `--log-dir` keeps the engine logs.
@@ -343,7 +344,8 @@ def decode_figures(watch: DecodeWatch, idle: list[tuple[float, float]],
     for name in ("encode", "prepare", "commit"):
         got = gaps([p[name] for p in phases])
         by_phase[name] = ms(max(got)) if got else None
-    return {"decode_max_gap_ms_by_phase": by_phase, "decode_ms_per_token_idle": ms(statistics.median(quiet)) if quiet else None,
+    return {"decode_max_gap_ms_by_phase": by_phase,
+            "decode_ms_per_token_idle": ms(statistics.median(quiet)) if quiet else None,
             "decode_ms_per_token_publishing": ms(statistics.median(during)) if during else None,
             "decode_max_gap_ms_publishing": ms(max(during)) if during else None,
             "decode_tokens_publishing": len(during),

@@ -7,16 +7,17 @@
 
 Answers `{"success", "message", ...}` like SGLang's update endpoints; 400 with the reason when a
 phase is refused. The delta format is miles/weights/delta_format.py. `apply` answers `swapped`,
-`copied` and `scattered` (how many weights each way), `swap_s` (how long it held the scheduler's step lock:
-what generation waited) and `in_flight_requests` (requests that crossed the update).
+`copied` and `scattered` (how many weights each way), `swap_s` (how long it held the
+scheduler's step lock: what generation waited) and `in_flight_requests` (requests that crossed
+the update).
 
 Design decisions:
 - Generation never stops for a delta. `prepare` reads the manifest, decompresses each tensor,
   XORs it with the engine's current bytes and checks the new tensor's sha256, all on worker
   threads (`threads` tensors at a time: zlib, hashlib and numpy release the GIL) while the
   scheduler keeps generating; the decoded tensors are staged in the manifest's order, at most
-  2 x `threads` of them waiting in host memory ahead of the staging. `apply` needs no pause either: it takes the
-  scheduler's step lock, so the swap lands between two steps (as a pause would, minus the round
+  2 x `threads` of them waiting in host memory ahead of the staging. `apply` needs no pause
+  either: it takes the scheduler's step lock, so the swap lands between two steps (as a pause would, minus the round
   trips); running and queued requests keep their KV (computed by the old weights, as with
   SGLang's in_place pause) and their next token is the new weights', recorded under the new
   version in their `weight_versions` spans: the version is set under the same lock, with the
@@ -73,9 +74,8 @@ from miles.engines.embedded_engine.protocol import BadRequest, decode_body
 log = logging.getLogger(__name__)
 
 DEVICE_HEADROOM_BYTES = 2 << 30  # left free for the KV cache's growth and activations
-
-
 MAX_THREADS = 64
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class DeltaReq(msgspec.Struct):
@@ -90,7 +90,7 @@ class _Staged:
     version: int
     path: str
     serial: int
-    tensors: list[tuple[str, torch.Tensor, torch.Tensor | None]]  # (name, new tensor or values, indices)
+    tensors: list[tuple[str, torch.Tensor, torch.Tensor | None]]  # name, tensor or values, index
 
 
 def _sparse_bytes(manifest) -> int | None:
@@ -106,9 +106,6 @@ def _sparse_bytes(manifest) -> int | None:
         total += e.changed * ((4 if numel < 2**31 else 8) + item)
     return total
 
-
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-STAGING_MODES = ("auto", "dense", "sparse")
 
 
 def _staging_plan(device: torch.device, manifest, mode: str = "auto") -> tuple[torch.device, bool]:
