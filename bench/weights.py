@@ -43,8 +43,8 @@ Prints one JSON line per model:
   line each.
 - Output as it is measured: per model and variant, a `"part": "publish"` line as soon as its
   rounds are timed, then the whole line once the check and the delta are done. `--budget-s`
-  (default 80 on GPUs; 0: none; not with disk_delta) bounds the delta's encode (the slow part on a 7B: every byte to the host,
-  XOR and zlib): past the budget it stops at a tensor boundary, and `delta_tensors` /
+  (default 80 on GPUs; 0: none; not with disk_delta) bounds the delta's encode (the slow part
+  on a 7B: every byte to the host, XOR and zlib): past the budget it stops at a tensor boundary, and `delta_tensors` /
   `delta_of_tensors` say how much of the model the fraction covers. Progress with timings goes to
   stderr; `--log-dir` keeps the engine logs.
 - Default: GPU 0 trainer -> GPU 1 engine, NCCL. `--tiny` (the default without 2 GPUs) is the CPU
