@@ -9,8 +9,10 @@ server; the slow one is a real `miles run` of recipes/envs/openenv.toml with the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -59,11 +61,20 @@ async def servers(openenv_venv, tmp_path_factory):
             [p.read_text()[-500:] for p in env_logs]
 
 
-async def live_envs(servers) -> int:
+async def live_envs(servers, settle_s: float = 10.0) -> int:
+    """Environment instances the server still holds, once the last episode's close has landed:
+    the client closes its WebSocket as the episode ends and the server closes the instance when
+    it reads the close frame, which on a loaded machine comes a moment later. Polls until 0 or
+    `settle_s`, then returns what is left (a leak stays a failure)."""
     url = next(u for k, u in servers.urls.items() if k.startswith("env:"))
+    deadline = time.monotonic() + settle_s
     async with aiohttp.ClientSession() as http:
-        async with http.get(f"{url}/miles/live") as r:
-            return (await r.json())["live"]
+        while True:
+            async with http.get(f"{url}/miles/live") as r:
+                live = (await r.json())["live"]
+            if live == 0 or time.monotonic() > deadline:
+                return live
+            await asyncio.sleep(0.05)
 
 
 def task_of(row: dict, **limits) -> dict:
