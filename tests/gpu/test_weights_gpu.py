@@ -133,6 +133,16 @@ async def test_nccl_gpu0_to_engine_on_gpu1_with_a_request_in_flight(tmp_path):
         await engine.stop_async()
 
 
+async def generates_on(url: str, version: str) -> None:
+    """The engine still generates, and on the weights of `version`."""
+    client = EngineClient(url)
+    try:
+        out = await client.generate([5, 17, 42], {"max_new_tokens": 8})
+    finally:
+        await client.close()
+    assert len(out.output_ids) == 8 and out.weight_version == version
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
 async def test_disk_delta_into_a_cuda_engine(graphs, tmp_path):
     path = build_tiny_model(**MODEL)
@@ -167,12 +177,7 @@ async def test_disk_delta_into_a_cuda_engine(graphs, tmp_path):
         assert applied["swapped"] == (0 if graphs else 6 * MODEL["num_hidden_layers"] + 2), applied
         assert applied["swapped"] + applied["copied"] == second.tensors
         # and it still generates, on the checked weights
-        client = EngineClient(engine.url)
-        try:
-            out = await client.generate([5, 17, 42], {"max_new_tokens": 8})
-        finally:
-            await client.close()
-        assert len(out.output_ids) == 8 and out.weight_version == "2"
+        await generates_on(engine.url, "2")
         await publisher.close()
         transport.close()
     finally:
@@ -201,12 +206,7 @@ async def test_a_sparse_disk_delta_is_scattered_on_the_gpu_under_cuda_graphs(tmp
         [applied] = transport.applied
         assert applied["scattered"] == second.tensors and applied["swapped"] == 0, applied
         assert "staged on cuda:0 (sparse:" in (tmp_path / "engine.log").read_text()
-        client = EngineClient(engine.url)
-        try:
-            out = await client.generate([5, 17, 42], {"max_new_tokens": 8})
-        finally:
-            await client.close()
-        assert len(out.output_ids) == 8 and out.weight_version == "2"
+        await generates_on(engine.url, "2")
         await publisher.close()
         transport.close()
     finally:

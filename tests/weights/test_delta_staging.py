@@ -6,6 +6,7 @@ on 3 threads)."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -51,20 +52,22 @@ def test_the_changed_elements_are_staged_on_the_gpu_when_whole_tensors_do_not_fi
         assert delta._staging_plan(gpu, mixed, "auto") == (cpu, False)
 
 
-async def test_a_sparse_delta_is_scattered_into_the_live_weights(tmp_path):
-    """--delta-staging sparse on a CPU engine: the changed elements are staged and written in
-    place, the fused q/k/v and gate/up slices too; the engine then holds what the trainer sent."""
+@contextlib.asynccontextmanager
+async def cpu_engine_and_publisher(tmp_path, extra_args: list[str], **weights):
+    """A real CPU embedded engine (tiny model) and a disk_delta publisher into it, checked by
+    checksum; yields (model, transport, publisher, run_update, client)."""
     from miles.engines.embedded import launch_embedded_engine
     from miles.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_model(num_hidden_layers=2)
     engine = await launch_embedded_engine(path, log_path=tmp_path / "engine.log", extra_args=[
-        "--torch-threads", "1", "--log-level", "info", "--random-seed", "0", "--delta-staging", "sparse"])
+        "--torch-threads", "1", "--log-level", "info", "--random-seed", "0", *extra_args])
+    client = EngineClient(engine.url)
     try:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         cfg = WeightsConfig(transport="disk_delta", check_weights=True, disk_dir=str(tmp_path / "d"),
-                            delta_threads=2)
+                            **weights)
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
         await publisher.connect()
@@ -76,8 +79,21 @@ async def test_a_sparse_delta_is_scattered_into_the_live_weights(tmp_path):
                 transport.finish(version)
             return run
 
+        yield model, transport, publisher, run_update, client
+        await publisher.close()
+        transport.close()
+    finally:
+        await client.close()
+        await engine.stop_async()
+
+
+async def test_a_sparse_delta_is_scattered_into_the_live_weights(tmp_path):
+    """--delta-staging sparse on a CPU engine: the changed elements are staged and written in
+    place, the fused q/k/v and gate/up slices too; the engine then holds what the trainer sent."""
+    async with cpu_engine_and_publisher(tmp_path, ["--delta-staging", "sparse"], delta_threads=2) as (
+            model, transport, publisher, run_update, client):
         assert (await publisher.publish(1, run_update(1))).checked  # raw: staged whole
-        before = await EngineClient(engine.url).model_info()
+        before = await client.model_info()
         with torch.no_grad():  # a few elements of every weight, as a small step moves them
             gen = torch.Generator().manual_seed(3)
             for p in model.parameters():
@@ -94,36 +110,12 @@ async def test_a_sparse_delta_is_scattered_into_the_live_weights(tmp_path):
         assert f"staged on cpu (sparse: {n} as changed elements" in log
         assert f"0 tensors swapped in, 0 copied, {n} scattered" in log
         assert before["weight_version"] == "1"
-        assert (await EngineClient(engine.url).model_info())["weight_version"] == "2"
-        await publisher.close()
-        transport.close()
-    finally:
-        await engine.stop_async()
+        assert (await client.model_info())["weight_version"] == "2"
 
 
 async def test_a_cpu_engine_stages_on_the_host_and_says_so(tmp_path):
-    from miles.engines.embedded import launch_embedded_engine
-    from miles.tiny import build_tiny_model
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny_model(num_hidden_layers=2)
-    engine = await launch_embedded_engine(path, log_path=tmp_path / "engine.log", extra_args=[
-        "--torch-threads", "1", "--log-level", "info", "--random-seed", "0"])
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
-        cfg = WeightsConfig(transport="disk_delta", check_weights=True, disk_dir=str(tmp_path / "d"),
-                            delta_threads=3, delta_chunk_bytes=4 << 10)
-        transport = make_transport(cfg, rank=0)
-        publisher = WeightPublisher(cfg, [engine.url], transport)
-        await publisher.connect()
-
-        def run_update(version):
-            def run():
-                transport.begin(version)
-                transport.send_bucket([(n, p.detach()) for n, p in model.named_parameters()])
-                transport.finish(version)
-            return run
-
+    async with cpu_engine_and_publisher(tmp_path, [], delta_threads=3, delta_chunk_bytes=4 << 10) as (
+            model, transport, publisher, run_update, client):
         report = await publisher.publish(1, run_update(1))
         assert report.checked
         assert transport.staged_on == ["cpu"]
@@ -142,9 +134,4 @@ async def test_a_cpu_engine_stages_on_the_host_and_says_so(tmp_path):
         assert 0 < report.payload_bytes < report.bytes
         # Bad input is refused by name.
         with pytest.raises(Exception, match=r"threads: 0 is not in \[1, 64\]"):
-            await EngineClient(engine.url).update_weights_from_delta(
-                "prepare", str(transport.delta_dir), threads=0)
-        await publisher.close()
-        transport.close()
-    finally:
-        await engine.stop_async()
+            await client.update_weights_from_delta("prepare", str(transport.delta_dir), threads=0)
