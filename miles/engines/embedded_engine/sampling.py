@@ -35,13 +35,18 @@ _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def splitmix_uniform(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """Uniform floats in [0, 1) from (seed, step), counter-based (splitmix64 finaliser)."""
+    """Uniform floats strictly inside (0, 1) from (seed, step), counter-based (splitmix64 finaliser).
+
+    The finaliser maps 0 to 0, so the mixed input carries a constant: without it (seed 0, step 0)
+    drew exactly 0.0, and inverse-CDF sampling then picked vocabulary id 0 whatever its
+    probability. The 53-bit integer is centred in its cell ((k + 0.5) / 2**53), so no draw is 0."""
     with np.errstate(over="ignore"):
-        x = seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + steps.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        x = (seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             + steps.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03) + np.uint64(0x2545F4914F6CDD1D))
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
 
 @dataclass
