@@ -100,7 +100,8 @@ async def one_episode(row: dict, agent_fn, verify_fn, backend, client, index: in
     return {"total_s": total, "llm_s": llm_s, "sandbox_s": setup_s + tool_s + verify_s + destroy_s,
             "session_s": max(agent_s - llm_s - tool_s, 0.0), "verify_s": verify_s,
             "create_destroy_s": setup_s + destroy_s, "turns": run.metrics.get("turns", 0.0),
-            "reward": reward if not isinstance(reward, dict) else reward.get("resolved", 0.0)}
+            "reward": reward if not isinstance(reward, dict)
+            else reward.get("resolved", reward.get("reward", 0.0))}
 
 
 async def run_agent_bench(name: str, rows: list[dict], agent_fn, verify_fn, stack, args, limits: dict) -> dict:

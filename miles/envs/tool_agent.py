@@ -26,11 +26,15 @@ Design decisions:
   ids), so the server finds the history it recorded and appends only the new tool results.
 - `submit(answer)` writes the answer to `ANSWER_PATH` in the sandbox (relative to its workdir:
   `/workspace/.answer` by default) and ends the episode; `verify_submission` reads it from there.
-  The verifier trusts the sandbox's state, not what the agent says it did.
+  The verifier trusts the sandbox's state, not what the agent says it did. Its reward is a dict:
+  `reward` (trained on: `train.reward_key = "reward"`) and `format` (1 when the episode submitted),
+  so an episode that ended without a submission is a reward 0 that trains, never a failure.
 - Malformed calls are answered, not fatal: an unknown tool or bad arguments get an error tool
   result; a reply whose `<tool_call>` did not parse (the qwen3 parser then returns it as plain
-  content, so there is no call id to answer) gets an error user message. Both count as
-  `tool_errors`. A failing tool (a missing file, a sandbox error, a command past `tool_timeout_s`)
+  content, so there is no call id to answer) gets `PARSE_ERROR` as a user message and the episode
+  goes on (within `max_turns`): it is the model's mistake, not a failure. The SFT transcripts show
+  that reply and a recovery from it (`miles.rl.tasks.sft_rows`), so the model has seen it. Both
+  count as `tool_errors`, the unparsed ones also as `parse_errors`. A failing tool (a missing file, a sandbox error, a command past `tool_timeout_s`)
   is answered with the error and counted too; a command that exits non-zero is a normal result
   (its exit code is shown). A tool timeout does not end the episode: the model may try again.
 - Limits come from `task["limits"]` (the recipe's `[agent]`): `max_turns` model calls,
@@ -41,8 +45,9 @@ Design decisions:
 - Tool output is capped at `MAX_TOOL_OUTPUT_CHARS` (`task["max_tool_output_chars"]`), the tail
   replaced by a marker: a runaway `cat` must not fill the context.
 - Sampling: `task["sampling"]` holds OpenAI request fields (temperature, top_p, top_k, seed,
-  max_tokens per turn); the framework sets it (greedy for evaluation). Defaults: temperature 1,
-  `DEFAULT_TURN_TOKENS` per turn.
+  max_tokens per turn); the framework sets it (greedy for evaluation). `seed` is the episode's:
+  turn k sends `miles.seeds.turn_seed(seed, k)`, so the turns do not repeat each other's draws.
+  Defaults: temperature 1, `DEFAULT_TURN_TOKENS` per turn.
 - The result: `metrics` (turns, tool_calls, tool_errors, tool_s, chat_s = time in model calls as
   the agent saw them, tokens = generated), `stop` (submitted, no_tool_call, or the limit that ended
   it), `answer` (the submission or None), `status: "truncated"` when a limit ended it. No `reward`:
@@ -62,9 +67,12 @@ from typing import Any
 
 import aiohttp
 
+from miles.seeds import turn_seed
+
 ANSWER_PATH = ".answer"
 PARSE_ERROR = ('error: the tool call did not parse; write <tool_call>{"name": ..., "arguments": {...}}'
                '</tool_call>')
+REWARD_KEY = "reward"   # the verifiers' trained entry (`train.reward_key`); "format" is the other
 MAX_TOOL_OUTPUT_CHARS = 2048
 DEFAULT_TURN_TOKENS = 64
 DEFAULT_LIMITS = {"max_turns": 8, "max_episode_tokens": 1024, "turn_timeout_s": 120.0,
@@ -213,7 +221,8 @@ async def react(base_url: str, task: dict[str, Any], runner: Any, tools: list[di
     sampling.setdefault("temperature", 1.0)
     messages = _first_messages(task)
     headers = {"Authorization": f"Bearer {task['api_key']}"} if task.get("api_key") else {}
-    m = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_s": 0.0, "chat_s": 0.0, "tokens": 0}
+    m = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "tool_s": 0.0,
+         "chat_s": 0.0, "tokens": 0}
     t0 = time.monotonic()
     deadline = t0 + float(limits["episode_timeout_s"])
     stop, truncated = "no_tool_call", False
@@ -230,6 +239,8 @@ async def react(base_url: str, task: dict[str, Any], runner: Any, tools: list[di
                 if left_s <= 0:
                     raise _Truncated("episode_timeout_s")
                 body = {"messages": messages, "max_tokens": min(turn_cap, budget), **sampling}
+                if sampling.get("seed") is not None:   # each turn its own draws
+                    body["seed"] = turn_seed(int(sampling["seed"]), m["turns"])
                 if declare:
                     body["tools"] = tools
                 t = time.monotonic()
@@ -247,6 +258,7 @@ async def react(base_url: str, task: dict[str, Any], runner: Any, tools: list[di
                     if "<tool_call>" not in (message.get("content") or ""):
                         break  # the model answered in prose: the episode is over
                     m["tool_errors"] += 1
+                    m["parse_errors"] += 1   # the model's mistake: answered, and the episode goes on
                     messages.append({"role": "user", "content": PARSE_ERROR})
                     continue
                 for call in calls:
@@ -292,15 +304,23 @@ async def _chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
         return reply
 
 
-async def verify_submission(sample: Any, sandbox: Any = None) -> float:
-    """The verifier: 1.0 when the answer submitted into the sandbox equals the label, else 0.0."""
+async def submitted(sandbox: Any) -> str | None:
+    """What the episode submitted into the sandbox (`ANSWER_PATH`), None when it never did."""
+    try:
+        return (await sandbox.download(ANSWER_PATH)).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+
+
+async def verify_submission(sample: Any, sandbox: Any = None) -> dict[str, float]:
+    """The verifier: {"reward": 1.0 when the answer submitted into the sandbox equals the label,
+    "format": 1.0 when the episode submitted at all}. An episode that never submitted (prose, calls
+    that did not parse until `max_turns`) is the model's mistake: reward 0, format 0, trained on."""
     if sample.label is None:
         raise ValueError("verify_submission needs a label (the row's `label`)")
     if sandbox is None:
         raise ValueError("verify_submission reads the submitted answer from the episode's sandbox: "
                          "set [sandbox] backend (e.g. \"subprocess\")")
-    try:
-        got = (await sandbox.download(ANSWER_PATH)).decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return 0.0  # never submitted
-    return float(got.strip() == str(sample.label).strip())
+    got = await submitted(sandbox)
+    return {REWARD_KEY: float(got is not None and got.strip() == str(sample.label).strip()),
+            "format": float(got is not None)}

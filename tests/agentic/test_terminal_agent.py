@@ -74,7 +74,9 @@ async def episode(url: str, pool, row: dict, replies: list[str], engine, **limit
                 result = await term.agent(created["base_url"], task)
             finally:
                 samples = await client.collect(created["session_id"], close=True)
-        reward = await term.verify(types.SimpleNamespace(metadata=m), sandbox)
+        verdict = await term.verify(types.SimpleNamespace(metadata=m), sandbox)
+        assert verdict["format"] == float(result["stop"] == "submitted"), (verdict, result["stop"])
+        reward = verdict["reward"]
     finally:
         await sandbox.destroy()
     return result, samples, reward

@@ -67,6 +67,8 @@ async def test_the_model_reads_the_file_in_its_sandbox_and_the_verifier_reads_th
         made = sum(len(m.get("tool_calls") or []) for m in msgs)
         assert result["metrics"]["tool_calls"] <= made   # calls after a submit are not run
         verdict = await verify_submission(sample_of(row), sandbox=box)
+        assert verdict["format"] == float(result["answer"] is not None)
+        verdict = verdict["reward"]
         if result["answer"] is None:
             assert verdict == 0.0
         else:  # the submission is in the sandbox, and the verdict is what it says
@@ -129,8 +131,11 @@ async def test_malformed_calls_are_answered_and_counted(scripted, sandboxes):
     assert result["metrics"]["tool_errors"] == 5 and result["metrics"]["tool_calls"] == 7
     assert result["metrics"]["turns"] == 7
     assert (await box.download("b.txt")) == b"9"
-    assert await verify_submission(types.SimpleNamespace(label="4179"), sandbox=box) == 1.0
-    assert await verify_submission(types.SimpleNamespace(label="417"), sandbox=box) == 0.0
+    assert result["metrics"]["parse_errors"] == 1
+    assert await verify_submission(types.SimpleNamespace(label="4179"), sandbox=box) == {
+        "reward": 1.0, "format": 1.0}
+    assert await verify_submission(types.SimpleNamespace(label="417"), sandbox=box) == {
+        "reward": 0.0, "format": 1.0}
     assert len(samples) == 1 and samples[0].response_length > 0
 
 
@@ -149,7 +154,37 @@ async def test_declared_tools_reach_the_template_and_the_output_is_capped(script
     from miles.tito.tokenizer import load_tokenizer
     text = load_tokenizer(str(build_tokenizer())).decode(samples[0].tokens)
     assert '"name": "bash"' in text and '"name": "submit"' in text and '"name": "read_file"' not in text
-    assert await verify_submission(types.SimpleNamespace(label="1"), sandbox=box) == 0.0
+    assert await verify_submission(types.SimpleNamespace(label="1"), sandbox=box) == {
+        "reward": 0.0, "format": 0.0}   # never submitted: the model's mistake, a reward that trains
+
+
+async def test_unparsed_calls_are_answered_and_the_episode_goes_on(scripted, sandboxes):
+    """An unparsed call gets PARSE_ERROR and the next turn (what the SFT transcripts show); an
+    episode that never submits ends at max_turns with format 0, never as a failure."""
+    from miles.envs.tool_agent import PARSE_ERROR
+    engine, url = scripted
+    box = await sandboxes({"a.txt": "417"})
+    bad = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}\n</tool_call>'
+    engine.replies = [bad, bad, '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n'
+                      '</tool_call>', '<tool_call>\n{"name": "submit", "arguments": {"answer": "417"}}\n'
+                      '</tool_call>']
+    task = {"prompt": "go", "sandbox": box, "keep_transcript": True, "sampling": {"max_tokens": 200}}
+    result, samples, _ = await run_episode(url, task, "unparsed")
+    msgs = result["messages"]
+    assert [m["content"] for m in msgs if m["role"] == "user"][1:] == [PARSE_ERROR, PARSE_ERROR]
+    assert result["stop"] == "submitted" and result["answer"] == "417", result
+    assert result["metrics"]["parse_errors"] == 2 and result["metrics"]["turns"] == 4
+    assert await verify_submission(types.SimpleNamespace(label="417"), sandbox=box) == {
+        "reward": 1.0, "format": 1.0}
+    assert len(samples) == 1 and samples[0].status == "completed"
+    box = await sandboxes({"a.txt": "417"})
+    engine.replies = [bad] * 3
+    task = {**task, "sandbox": box, "limits": {"max_turns": 3}}
+    result, samples, _ = await run_episode(url, task, "unparsed-always")
+    assert result["stop"] == "max_turns" and result["metrics"]["parse_errors"] == 3, result
+    assert await verify_submission(types.SimpleNamespace(label="417"), sandbox=box) == {
+        "reward": 0.0, "format": 0.0}
+    assert len(samples) == 1 and samples[0].response_length > 0
 
 
 async def test_verify_submission_needs_a_sandbox_and_a_label():

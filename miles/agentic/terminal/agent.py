@@ -17,6 +17,8 @@ Design decisions:
   wipes /tests and /logs/verifier, uploads the task's tests/, runs tests/test.sh and reads
   reward.txt. The agent never sees the tests. A verifier that timed out or wrote no reward raises
   (the episode's samples become `failed`): an infrastructure failure must not train as reward 0.
+  The reward is `{"reward": reward.txt, "format": 1 when the agent submitted}` (as
+  `tool_agent.verify_submission`'s; `train.reward_key = "reward"`).
 - The oracle and the null agent act on a sandbox through the same `ToolRunner` the model's calls
   go through: the oracle sends solution/solve.sh's commands to `bash`, then `submit`s; the null
   agent only submits. `check_task` runs one of them and the verifier on a fresh sandbox, which is
@@ -61,20 +63,22 @@ async def _real(sandbox: Any) -> Any:
     return await sandbox.get() if hasattr(sandbox, "get") else sandbox
 
 
-async def verify(sample: Any, sandbox: Any = None) -> float:
-    """The Harbor verifier of the row's task, on the episode's sandbox."""
+async def verify(sample: Any, sandbox: Any = None) -> dict[str, float]:
+    """The Harbor verifier of the row's task, on the episode's sandbox: {"reward": the task's
+    reward.txt, "format": 1.0 when the episode ended with a submit}."""
     from miles.sandboxes.harbor import load_task, run_verifier
     if sandbox is None:
         raise ValueError("the terminal verifier runs tests/test.sh in the episode's sandbox: set "
                          "[sandbox] backend (subprocess, bwrap or docker)")
     task = load_task(ensure_task(sample.metadata))
+    real = await _real(sandbox)
+    done = await tool_agent.submitted(real) is not None
     # a task with a separate verifier gets a fresh sandbox riding on the episode's pool slot
-    result = await run_verifier(await _real(sandbox), task,
-                                open_sandbox=getattr(sandbox, "open_another", None))
+    result = await run_verifier(real, task, open_sandbox=getattr(sandbox, "open_another", None))
     if result.status != "ok":
         raise RuntimeError(f"verifier of {task.name}: {result.status}: {result.detail} "
                            f"(output: {result.output[-300:]!r})")
-    return float(result.reward)
+    return {tool_agent.REWARD_KEY: float(result.reward), "format": float(done)}
 
 
 def runner(sandbox: Any, timeout_s: float = 30.0, user: str | None = None) -> tool_agent.ToolRunner:

@@ -14,8 +14,9 @@ Design decisions:
 - The episodes run exactly as the rollout worker's: `run_agent` (a session per episode, always
   collected and closed), `LazySandbox` from the `[sandbox]`-shaped config and the row's files, the
   verifier `agent.verify`. The evaluation is the training task's.
-- Sample j of a task samples with seed `seed + j` (the in-run evaluator's rule), so k samples at
-  temperature > 0 are k draws; pass@k is `miles.actors.evaluator.pass_at_k`, averaged over tasks.
+- Sample j of test row i samples with seed `miles.seeds.eval_seed(seed, i, j)` (the in-run
+  evaluator's rule), so k samples at temperature > 0 are k draws; pass@k is
+  `miles.actors.evaluator.pass_at_k`, averaged over tasks.
 - A verifier failure (timeout, no reward) counts as a failed episode, not as reward 0, and is
   reported as `verifier_errors`; a run where every episode failed exits non-zero.
 - `run_rows` takes an engine URL and is what `bench/agentic_recipe.py`'s terminal bench calls.
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from miles.seeds import eval_seed
 
 
 async def run_rows(session_url: str, rows: list[dict], *, k: int = 1, temperature: float = 0.0,
@@ -64,7 +67,7 @@ async def run_rows(session_url: str, rows: list[dict], *, k: int = 1, temperatur
         async with gate:
             stats = EpisodeStats()
             sandbox = LazySandbox(pool, sandbox_spec(cfg, m, {}), m["files"], stats, float(lim["tool_timeout_s"]))
-            sampling = {"temperature": temperature, "seed": seed + j, "max_tokens": max_tokens}
+            sampling = {"temperature": temperature, "seed": eval_seed(seed, i, j), "max_tokens": max_tokens}
             task = {**m, "prompt": r["prompt"], "label": r["label"], "limits": lim, "sampling": sampling,
                     "sandbox": sandbox}
             t0 = time.monotonic()
@@ -75,7 +78,7 @@ async def run_rows(session_url: str, rows: list[dict], *, k: int = 1, temperatur
                                       agent_timeout_s=float(lim["episode_timeout_s"]))
                 t1 = time.monotonic()
                 try:
-                    reward = await term.verify(types.SimpleNamespace(metadata=m), sandbox)
+                    reward = (await term.verify(types.SimpleNamespace(metadata=m), sandbox))["reward"]
                 except Exception as e:  # the verifier's failure: not a reward of 0
                     error = f"{type(e).__name__}: {e}"
                 verify_s = time.monotonic() - t1
