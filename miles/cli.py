@@ -1,6 +1,7 @@
 """The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`,
 `miles replay runs/<name>/wire/driver.mlw [--step N] [--resend URL]` (see `miles/replay.py`),
-`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR` (see `miles/ops_cli.py`),
+`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR`, `miles episodes RUN` (see
+`miles/ops_cli.py`),
 `miles plan recipe.toml [--gpus N] [--model-size S]` (a capacity model, see `miles/plan.py`).
 
 Both commands run the same checks first (`load_recipe`, then `check_recipe`): a broken recipe ends
@@ -33,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("dashboard", help="serve a run's dashboard: miles dashboard runs/<name>")
     sub.add_parser("status", help="a live run's actors, restarts and lag: miles status runs/<name>")
     sub.add_parser("logs", help="an actor's log: miles logs runs/<name> ACTOR [-n N] [-f]")
+    sub.add_parser("episodes", help="episode transcripts: miles episodes runs/<name> [--step N] "
+                                    "[--reward R] [--task ID] [-n K]")
     sub.add_parser("plan", help="predict step time, idle and staleness: miles plan recipe.toml --gpus N")
     return p
 
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["replay"]:  # its own flags (miles/replay.py)
         from miles.replay import main as replay_main
         return replay_main(argv[1:])
-    if argv[:1] and argv[0] in ("dashboard", "status", "logs"):
+    if argv[:1] and argv[0] in ("dashboard", "status", "logs", "episodes"):
         from miles.ops_cli import COMMANDS
         return COMMANDS[argv[0]](argv[1:])
     if argv[:1] == ["plan"]:

@@ -3,6 +3,7 @@ and on the head the dashboard (`/`) with its data (`/api/run`, `/api/actors`).
 
     http://<node>:<port>/metrics      Prometheus text format (prometheus_client)
     http://<head>:<port>/             the dashboard (miles/dashboard.html)
+    http://<head>:<port>/episodes     the episode browser (miles/episodes.html; `miles.rl.episodes`)
     miles dashboard runs/<name>       the same dashboard for a finished run, from its files
 
 Design decisions:
@@ -17,10 +18,15 @@ Design decisions:
   for counters, labels for actor / node / engine / state. A run-level number from the JSONL is a
   gauge of its latest value (`miles_rollout_reward`); the JSONL stays the record of the run.
 - smg serves its own Prometheus endpoint; `miles_smg_metrics_info{url=...}` links it.
+- The episode browser reads `<run>/episodes.jsonl` through one incremental reader per app (only
+  appended bytes are decoded per request, on a thread, off the daemon's loop); its filters are
+  the ones `miles episodes` applies (`miles.rl.episodes.select`). The list carries no messages;
+  `/api/episode?key=...` reads one record whole.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -31,6 +37,8 @@ from typing import Any, Callable
 from aiohttp import web
 
 DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
+EPISODES_HTML = Path(__file__).with_name("episodes.html")
+EPISODES_LISTED = 200   # the newest matching episodes the browser lists
 
 # JSONL key -> (metric name, help); every one is a gauge of the latest value
 RUN_GAUGES = {
@@ -215,12 +223,58 @@ def make_app(run_dir: Path, *, actors_fn: Callable[[], list[dict]] = lambda: [],
     async def api_actors(_request):
         return web.json_response(actors_fn())
 
+    from miles.rl.episodes import EpisodeFile, annotate, key_of, parse_reward, select, to_json
+    episodes_index = EpisodeFile(run_dir)
+
+    async def episodes_page(_request):
+        return web.Response(text=EPISODES_HTML.read_text(), content_type="text/html")
+
+    def list_episodes(step, reward, task) -> dict[str, Any]:
+        episodes_index.refresh()
+        hits, total = select(episodes_index, read_rows(metrics_path), step=step, reward=reward,
+                             task=task, n=EPISODES_LISTED)
+        return {"run": run_dir.name, "total": total, "warnings": episodes_index.warnings[-5:],
+                "episodes": [to_json(s, info) for s, _, _, info in reversed(hits)]}
+
+    async def api_episodes(request):
+        q = request.query
+        try:   # a bad filter is one line naming it (the page shows it)
+            step = int(q["step"]) if q.get("step", "") != "" else None
+        except ValueError:
+            return web.json_response({"error": f"step {q['step']!r}: expected a step number"},
+                                     status=400)
+        try:
+            reward = parse_reward(q["reward"]) if q.get("reward", "") != "" else None
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        data = await asyncio.to_thread(list_episodes, step, reward, q.get("task") or None)
+        return web.json_response(data)
+
+    def one_episode(key: str) -> dict[str, Any] | None:
+        episodes_index.refresh()
+        rows = [r for r in episodes_index.rows if key_of(r[0]) == key]
+        if not rows:
+            return None
+        info = annotate([r[0] for r in episodes_index.rows], read_rows(metrics_path))
+        i = episodes_index.rows.index(rows[-1])
+        return to_json(episodes_index.full(rows[-1][1], rows[-1][2]), info[i], key)
+
+    async def api_episode(request):
+        key = request.query.get("key", "")
+        data = await asyncio.to_thread(one_episode, key)
+        if data is None:
+            return web.json_response({"error": f"key {key!r}: no such episode"}, status=404)
+        return web.json_response(data)
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     if dashboard:
         app.router.add_get("/", page)
         app.router.add_get("/api/run", api_run)
         app.router.add_get("/api/actors", api_actors)
+        app.router.add_get("/episodes", episodes_page)
+        app.router.add_get("/api/episodes", api_episodes)
+        app.router.add_get("/api/episode", api_episode)
     return app
 
 

@@ -1,8 +1,10 @@
-"""`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR`: looking at a job from outside.
+"""`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR`, `miles episodes RUN`: looking
+at a job from outside.
 
     miles dashboard runs/quickstart [--port 8265]   the dashboard of a run, live or finished, from its files
     miles status runs/quickstart                    actors, nodes, incarnations, restarts, loop lag (live run)
     miles logs runs/quickstart trainer/0 [-n 50] [-f]
+    miles episodes runs/quickstart [--step N] [--reward R] [--task ID] [-n K] [--json]
 
 Design decisions:
 - A run directory is the handle: everything is found from it. A live job's head writes its
@@ -11,6 +13,8 @@ Design decisions:
 - `dashboard` serves the same page as the live head, from `metrics.jsonl` and `logs/`, so a
   finished (or copied) run looks the same as a live one; actors are then listed from their logs.
 - `logs` reads `<run>/logs/<actor>.log` (`/` in a name is `_` in the file, as the daemon writes it).
+- `episodes` reads `<run>/episodes.jsonl` (`miles.rl.episodes`), the same files and filters as
+  the dashboard's episode browser (`/episodes`); bad input is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -124,4 +128,64 @@ def logs(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"dashboard": dashboard, "status": status, "logs": logs}
+def episodes(argv: list[str]) -> int:
+    """Transcripts of a run's episodes (`miles.rl.episodes`), newest last; exit 2 on bad input."""
+    from miles.observe import read_rows
+    from miles.rl.episodes import (FILE, ROTATED, EpisodeFile, format_episode, parse_reward,
+                                   select, to_json)
+
+    p = argparse.ArgumentParser(prog="miles episodes")
+    p.add_argument("run")
+    p.add_argument("--step", help="the step that trained them (or, untrained, that their policy "
+                                  "version was about to train)")
+    p.add_argument("--reward", help="the reward: 0, '>0', '<=0.5', ...")
+    p.add_argument("--task", help="a task id, or part of one")
+    p.add_argument("-n", default="10", help="the newest N that match (default 10; 0: all)")
+    p.add_argument("--json", action="store_true", help="one JSON object per episode")
+    args = p.parse_args(argv)
+    run = Path(args.run)
+    try:
+        step = None if args.step is None else int(args.step)
+        if step is not None and step < 0:
+            raise ValueError
+    except ValueError:
+        return _bad(f"--step {args.step!r}: expected a step number >= 0")
+    try:
+        n = int(args.n)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        return _bad(f"-n {args.n!r}: expected a count >= 0 (0: all)")
+    try:
+        reward = None if args.reward is None else parse_reward(args.reward)
+    except ValueError as e:
+        return _bad(f"--{e}")
+    if not run.is_dir():
+        return _bad(f"{args.run}: no such run directory")
+    if not (run / FILE).exists() and not (run / ROTATED).exists():
+        return _bad(f"{args.run}: no {FILE} (not a run directory, or logging.episodes = false)")
+    index = EpisodeFile(run).refresh()
+    for warning in index.warnings + [w for w in [index.torn_tail()] if w]:
+        print(f"miles: warning: {warning}", file=sys.stderr)
+    hits, total = select(index, read_rows(run / "metrics.jsonl"), step=step, reward=reward,
+                         task=args.task, n=n)
+    for summary, name, offset, info in hits:
+        rec = index.full(name, offset)
+        if args.json:
+            print(json.dumps(to_json(rec, info)))
+        else:
+            print(format_episode(rec, info))
+    if not hits:
+        print(f"miles: no episode of {total} in {run} matches", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"({len(hits)} shown of {total} episodes)")
+    return 0
+
+
+def _bad(message: str) -> int:
+    print(f"miles episodes: {message}", file=sys.stderr)
+    return 2
+
+
+COMMANDS = {"dashboard": dashboard, "status": status, "logs": logs, "episodes": episodes}

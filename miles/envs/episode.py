@@ -119,6 +119,7 @@ class EpisodeEnv:
         self.sessions = None
         self._server = None
         self.metrics = EpisodeMetrics()
+        self.episodes = None   # the rollout role's EpisodeStore (`logging.episodes`), set by open
 
     @classmethod
     async def open(cls, recipe, engines, engine, tokenizer, *, role: str, incarnation: int = 0,
@@ -126,6 +127,9 @@ class EpisodeEnv:
         """`engines` is the fleet's `EngineSet`. The rollout role sweeps its run's leftovers."""
         env = cls(recipe, engine, tokenizer, role=role, incarnation=incarnation, retry=retry,
                   reward_fn=reward_fn)
+        if role == "rollout":
+            from miles.rl.episodes import EpisodeStore
+            env.episodes = EpisodeStore.for_recipe(recipe, incarnation)
         if recipe.sandbox.backend:
             from miles.sandboxes import SandboxPool, get_backend
             cfg = recipe.sandbox
@@ -234,21 +238,27 @@ class EpisodeEnv:
             await self.pool.backend.close()
         if self._server is not None:
             await self._server.stop_async(grace_s=5)
+        if self.episodes is not None:
+            await asyncio.to_thread(self.episodes.close)
         if parts:
             print(f"[{self.role}] episodes closed: {'; '.join(parts)}", flush=True)
 
     def pool_values(self) -> dict[str, float]:
+        """The sandbox pool's counts, and the episode store's (`episodes/written`, ...)."""
+        out = self.episodes.metrics() if self.episodes is not None else {}
         if self.pool is None:
-            return {}
+            return out
         st = self.pool.stats
-        return {"sandbox/live": float(st.live), "sandbox/created": float(st.created),
+        return {**out, "sandbox/live": float(st.live), "sandbox/created": float(st.created),
                 "sandbox/destroyed": float(st.destroyed), "sandbox/create_failures": float(st.create_failures),
                 "sandbox/destroy_failures": float(st.destroy_failures)}
 
 
 def _task(sample: Sample, recipe, sandbox: LazySandbox | None, sampling=None) -> dict[str, Any]:
     from miles.envs.context import no_sandbox
-    return {**sample.metadata, "prompt": sample.prompt, "label": sample.label, "id": sample.rollout_id,
+    # keep_transcript: the agent returns its messages, which the episode store keeps
+    return {"keep_transcript": recipe.logging.episodes, **sample.metadata,
+            "prompt": sample.prompt, "label": sample.label, "id": sample.rollout_id,
             "limits": msgspec.structs.asdict(recipe.agent), "sampling": _openai_sampling(sampling),
             "sandbox": sandbox if sandbox is not None else _NoSandbox(no_sandbox)}
 
@@ -313,6 +323,9 @@ async def run_episode(env: EpisodeEnv, sample: Sample, sampling, *, generate: Ge
                 s.metadata.setdefault("error", "the episode ended before the model generated a token")
         if verify:
             await _verify(env, samples, sandbox)
+        if sandbox is not None and sandbox.created:   # the episode store shows it
+            for s in samples:
+                s.metadata.setdefault("sandbox_id", sandbox.id)
     finally:
         if sandbox is not None:
             await sandbox.destroy()

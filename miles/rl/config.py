@@ -264,3 +264,11 @@ class LoggingConfig(Section):
     record_wire: bool = False
     # the steps the flight recorder writes (record_wire must be on); [] with record_wire: every step
     record_steps: list[Annotated[int, Meta(ge=0)]] = []
+    # keep every finished rollout episode (messages, tool calls, reward, tokens, policy versions,
+    # sandbox) in <output_dir>/episodes.jsonl for `miles episodes` and the dashboard's browser
+    episodes: bool = True
+    # the episode files' size cap: past half of it episodes.jsonl becomes episodes.1.jsonl (the
+    # older one is deleted), so the two together stay under it and the newest are kept
+    episodes_max_mb: Annotated[float, Meta(gt=0.0)] = 256.0
+    # keep 1 in k successful episodes (reward > 0); every failed or zero-reward one is kept
+    episodes_keep_success: Positive = 1
