@@ -8,7 +8,10 @@ A sample runs in CI; every task runs under `slow`; a sample also runs through Ha
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from miles.agentic.terminal import agent as term
-from miles.agentic.terminal.families import FAMILIES, WORK
-from miles.agentic.terminal.tasks import N_TASKS, ensure_task, generate, terminal_tasks
+from miles.agentic.terminal.families import (FAMILIES, HELDOUT_CITIES, HELDOUT_SERVICES,
+                                             HELDOUT_WORDS, WORK, TaskRng)
+from miles.agentic.terminal.tasks import N_TASKS, ensure_task, generate, terminal_tasks, transcript
 from miles.envs.context import EpisodeStats, LazySandbox, sandbox_spec
 from miles.rl.config import SandboxConfig
 from miles.sandboxes import SandboxPool, get_backend
@@ -85,6 +89,49 @@ def test_sft_rows_are_the_oracle_transcripts(splits):
     bash = [r for r in sft if '"name": "bash"' in r["label"]]
     assert len(bash) == len(splits["train"])
     assert all(r["label"].startswith("<tool_call>") and "<|im_start|>system" in r["prompt"] for r in sft)
+
+
+TOKEN = re.compile(r"[A-Za-z]+|[0-9]+")
+
+
+def family_vocabulary(family, draws: int = 60) -> set[str]:
+    """The words of a family's commands that do not depend on the task: those in at least a
+    quarter of its solve.sh over many draws (awk, sort, a flag). A task's own names and numbers
+    are rarer (each pool word is in a few percent)."""
+    seen = collections.Counter(t for i in range(draws)
+                               for t in set(TOKEN.findall(family(TaskRng(f"vocab-{i}")).solve)))
+    return {t for t, c in seen.items() if c >= draws / 4}
+
+
+def test_every_transcript_argument_is_in_the_prompt_or_an_earlier_result(splits):
+    """What SFT teaches can be copied: each tool argument's words are the family's command words
+    or occur in the prompt or an earlier tool result of the same episode (nothing memorised)."""
+    vocab = {f(TaskRng("name")).family: family_vocabulary(f) for f in FAMILIES}
+    for r in all_rows(splits):
+        seen = set()
+        for m in transcript(r):
+            for call in m.get("tool_calls") or []:
+                args = json.loads(call["function"]["arguments"])
+                words = {t for v in args.values() for t in TOKEN.findall(v)}
+                unseen = words - seen - vocab[r["metadata"]["family"]] - {"done"}
+                assert not unseen, (r["metadata"]["task_name"], sorted(unseen), args)
+            if m["role"] != "assistant":
+                seen |= set(TOKEN.findall(m["content"] or ""))
+
+
+def test_held_out_tasks_name_nothing_a_train_task_names(splits):
+    from miles.agentic.terminal.families import CITIES, SERVICES, WORDS
+    pools = set(WORDS) | set(SERVICES) | set(CITIES)
+    held = set(HELDOUT_WORDS) | set(HELDOUT_SERVICES) | set(HELDOUT_CITIES)
+    assert not pools & held
+
+    def names(rows):
+        return {t for r in rows for text in [r["prompt"], *r["metadata"]["files"].values()]
+                for t in TOKEN.findall(text)} & (pools | held)
+    train, test = names(splits["train"]), names(splits["test"])
+    assert train and test and not train & test, sorted(train & test)
+    assert test <= held and train <= pools
+    assert {r["metadata"]["family"] for r in splits["test"]} <= {r["metadata"]["family"] for r in splits["train"]}
 
 
 def test_a_missing_task_dir_is_rewritten_and_bad_rows_are_refused(splits, tmp_path):

@@ -1,6 +1,8 @@
 """Terminal task families: each turns a seeded RNG into one task (instruction, files, oracle, checks).
 
-A family is a function `rng -> TaskParts`. `tasks.py` writes the parts out in Harbor layout; the
+A family is a function `rng -> TaskParts` (`rng` a `TaskRng`: its word, service and city pools
+are the train ones or the held-out ones, disjoint, so a held-out task names nothing a train task
+names). `tasks.py` writes the parts out in Harbor layout; the
 families only decide what the task is.
 
 Design decisions:
@@ -31,6 +33,15 @@ WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "garnet", "harbor
 SERVICES = ("auth", "billing", "cache", "gateway", "indexer", "mailer", "payments", "search", "storage",
             "worker")
 CITIES = ("oslo", "lima", "quito", "hanoi", "dakar", "perth", "turin", "kyoto", "porto", "cairo", "delhi")
+# the held-out tasks' names: none of them occurs in a train task (a test checks it)
+HELDOUT_WORDS = ("alder", "bramble", "canyon", "dahlia", "egret", "falcon", "glacier", "hazel", "iris",
+                 "jasper", "kestrel", "lotus", "meadow", "nutmeg", "orchid", "pebble", "quill", "rowan",
+                 "saffron", "thistle", "upland", "vervain", "walnut", "xylem", "yew", "zinnia", "aspen",
+                 "bluff", "cinder", "dusk")
+HELDOUT_SERVICES = ("ledger", "notifier", "profiler", "queue", "router", "scheduler", "tracer",
+                    "uploader", "vault", "webhook")
+HELDOUT_CITIES = ("accra", "baku", "cusco", "doha", "essen", "fargo", "goa", "hilo", "izmir", "jeddah",
+                  "kobe")
 LEVELS = ("INFO", "WARN", "ERROR", "DEBUG")
 EXTS = ("log", "txt", "csv", "md", "json", "cfg")
 
@@ -45,6 +56,16 @@ class TaskParts:
     tags: list[str] = field(default_factory=list)
 
 
+class TaskRng(random.Random):
+    """A family's RNG and the name pools it draws from: the train pools, or the held-out ones."""
+
+    def __init__(self, seed: str, heldout: bool = False):
+        super().__init__(seed)
+        self.words = HELDOUT_WORDS if heldout else WORDS
+        self.services = HELDOUT_SERVICES if heldout else SERVICES
+        self.cities = HELDOUT_CITIES if heldout else CITIES
+
+
 def _names(rng: random.Random, pool: tuple[str, ...], k: int) -> list[str]:
     return rng.sample(pool, k)
 
@@ -56,11 +77,11 @@ def _heredoc(path: str, text: str, tag: str = "MILES_EXPECTED") -> str:
 
 
 def grep_count(rng: random.Random) -> TaskParts:
-    svc, level = rng.choice(SERVICES), rng.choice(LEVELS)
+    svc, level = rng.choice(rng.services), rng.choice(LEVELS)
     lines, n = [], rng.randint(25, 60)
     for i in range(n):
         lv = rng.choice(LEVELS)
-        words = " ".join(rng.sample(WORDS, 3))
+        words = " ".join(rng.sample(rng.words, 3))
         lines.append(f"2026-03-{1 + i % 28:02d}T{rng.randrange(24):02d}:{rng.randrange(60):02d}:00 {lv} {svc}: {words}")
     count = sum(line.split()[1] == level for line in lines)
     if count == 0:
@@ -77,7 +98,7 @@ def grep_count(rng: random.Random) -> TaskParts:
 
 
 def sort_unique(rng: random.Random) -> TaskParts:
-    vocab = _names(rng, WORDS, rng.randint(6, 12))
+    vocab = _names(rng, rng.words, rng.randint(6, 12))
     words = [rng.choice(vocab) for _ in range(rng.randint(20, 40))]
     stem = rng.choice(("words", "tags", "labels", "colors", "names"))
     src, dst = f"{WORK}/data/{stem}.txt", f"{WORK}/{stem}-{rng.choice(('unique', 'distinct', 'set'))}.txt"
@@ -97,7 +118,7 @@ def sort_unique(rng: random.Random) -> TaskParts:
 
 def top_value(rng: random.Random) -> TaskParts:
     column = rng.choice(("city", "product"))
-    cities = _names(rng, CITIES if column == "city" else WORDS, rng.randint(4, 7))
+    cities = _names(rng, rng.cities if column == "city" else rng.words, rng.randint(4, 7))
     weights = [rng.randint(1, 9) for _ in cities]
     top = max(range(len(cities)), key=lambda i: weights[i])
     weights[top] += 3  # a unique winner
@@ -107,9 +128,8 @@ def top_value(rng: random.Random) -> TaskParts:
     cols = ["customer", column, "amount"]
     k = rng.randrange(3)
     cols.insert(k, "id") if k != 1 else None
-    field = cols.index(column) + 1
     def line(i: int, c: str) -> str:
-        values = {"customer": f"{rng.choice(WORDS)}{i}", column: c, "amount": str(rng.randint(5, 500)), "id": str(i)}
+        values = {"customer": f"{rng.choice(rng.words)}{i}", column: c, "amount": str(rng.randint(5, 500)), "id": str(i)}
         return ",".join(values[x] for x in cols) + "\n"
     body = ",".join(cols) + "\n" + "".join(line(i, c) for i, c in enumerate(rows))
     return TaskParts(
@@ -117,13 +137,14 @@ def top_value(rng: random.Random) -> TaskParts:
         f"Which {column} occurs most often in the `{column}` column of `{path}` (a CSV with a header "
         f"line)? Write it, and nothing else, to `{WORK}/answer.txt`.",
         {path: body},
-        f"tail -n +2 {path} | cut -d, -f{field} | sort | uniq -c | sort -rn | head -1 | awk '{{print $2}}' "
-        f"> {WORK}/answer.txt",
+        # the column found by its name (in the prompt), not by its position (only in the file)
+        f"awk -F, 'NR == 1 {{for (i = 1; i <= NF; i++) if ($i == \"{column}\") c = i; next}} "
+        f"{{print $c}}' {path} | sort | uniq -c | sort -rn | head -1 | awk '{{print $2}}' > {WORK}/answer.txt",
         [f"same_word {WORK}/answer.txt {cities[top]}"], ["text", "uniq"])
 
 
 def column_sum(rng: random.Random) -> TaskParts:
-    items = _names(rng, WORDS, 5)
+    items = _names(rng, rng.words, 5)
     item = items[0]
     rows = [(i, rng.choice(items), rng.randint(1, 40), rng.randint(1, 99)) for i in range(rng.randint(15, 30))]
     rows[rng.randrange(len(rows))] = (0, item, rng.randint(1, 40), 7)
@@ -140,10 +161,10 @@ def column_sum(rng: random.Random) -> TaskParts:
 
 
 def sed_replace(rng: random.Random) -> TaskParts:
-    old = f"{rng.choice(WORDS)}-db{rng.randint(1, 9)}"
-    new = f"{rng.choice(WORDS)}-db{rng.randint(10, 99)}"
+    old = f"{rng.choice(rng.words)}-db{rng.randint(1, 9)}"
+    new = f"{rng.choice(rng.words)}-db{rng.randint(10, 99)}"
     files, expected = {}, {}
-    for name in _names(rng, SERVICES, rng.randint(2, 4)):
+    for name in _names(rng, rng.services, rng.randint(2, 4)):
         lines = [f"# {name} settings", f"name = {name}"]
         for k in range(rng.randint(2, 4)):
             lines.append(f"replica{k} = {old}:{5432 + k}" if rng.random() < 0.7 else f"mirror{k} = {old}")
@@ -167,7 +188,7 @@ def fix_config(rng: random.Random) -> TaskParts:
     port, good_level = rng.randint(1025, 9999), rng.choice(("debug", "info", "warning"))
     wrong_port = port + rng.randint(1, 50)
     wrong_level = rng.choice([x for x in ("debug", "info", "warning", "error") if x != good_level])
-    svc = rng.choice(SERVICES)
+    svc = rng.choice(rng.services)
     typo = rng.random() < 0.5
     path = f"{WORK}/{svc}/config.ini"
     head = ["[service]", f"name = {svc}", f"workers = {rng.randint(1, 16)}", "", "[server]",
@@ -177,7 +198,7 @@ def fix_config(rng: random.Random) -> TaskParts:
     broken[6] = f"prot = {port}" if typo else f"port = {wrong_port}"
     broken[7] = f"log_level = {wrong_level}"
     assert broken != good
-    fix = ("the key `prot` is a typo of `port`" if typo else f"it must listen on port {port}")
+    fix = ("the key `prot` is a typo of `port`, " if typo else "") + f"it must listen on port {port}"
     solve = (f"sed -i -e 's/^prot = /port = /' -e 's/^port = .*/port = {port}/' "
              f"-e 's/^log_level = .*/log_level = {good_level}/' {path}")
     return TaskParts(
@@ -190,9 +211,9 @@ def fix_config(rng: random.Random) -> TaskParts:
 def archive_create(rng: random.Random) -> TaskParts:
     d = rng.choice(("docs", "reports", "notes", "drafts"))
     files = {}
-    for name in _names(rng, WORDS, rng.randint(2, 4)):
+    for name in _names(rng, rng.words, rng.randint(2, 4)):
         files[f"{WORK}/{d}/{name}.txt"] = f"{name} {rng.randint(100, 999)}\n"
-    sub = rng.choice(WORDS)
+    sub = rng.choice(rng.words)
     files[f"{WORK}/{d}/{sub}/index.md"] = f"# {sub}\n"
     gz = rng.random() < 0.6
     out = f"{WORK}/{d}-{rng.choice(('backup', 'snapshot', 'archive'))}{rng.randint(1, 9)}.tar{'.gz' if gz else ''}"
@@ -227,10 +248,10 @@ def archive_extract(rng: random.Random) -> TaskParts:
     version = f"{rng.randint(1, 4)}.{rng.randint(0, 20)}.{rng.randint(0, 9)}"
     top = f"release-{version}"
     members = {f"{top}/VERSION": version + "\n"}
-    for name in _names(rng, WORDS, rng.randint(2, 4)):
+    for name in _names(rng, rng.words, rng.randint(2, 4)):
         members[f"{top}/{rng.choice(('bin', 'lib', 'share'))}/{name}.txt"] = f"{name}={rng.randint(0, 9999)}\n"
     dest = rng.choice(("opt", "unpacked", "srv"))
-    tar = f"{WORK}/{rng.choice(('bundle', 'dist', 'pkg'))}-{rng.choice(WORDS)}.tar"
+    tar = f"{WORK}/{rng.choice(('bundle', 'dist', 'pkg'))}-{rng.choice(rng.words)}.tar"
     checks = [_heredoc(f"{WORK}/{dest}/{m}", t.rstrip("\n")) for m, t in members.items()]
     checks.append(f"same_word {WORK}/version.txt {version}")
     return TaskParts(
@@ -238,14 +259,14 @@ def archive_extract(rng: random.Random) -> TaskParts:
         f"Extract the tar archive `{tar}` into the directory `{WORK}/{dest}` (create it), "
         f"then write the release version, read from the `VERSION` file inside, to `{WORK}/version.txt`.",
         {tar: _ascii_tar(members)},
-        f"mkdir -p {WORK}/{dest} && tar -xf {tar} -C {WORK}/{dest} && "
-        f"cat {WORK}/{dest}/{top}/VERSION > {WORK}/version.txt",
+        f"mkdir -p {WORK}/{dest} && tar -xf {tar} -C {WORK}/{dest} && "   # the top dir: only in the tar
+        f"cat {WORK}/{dest}/*/VERSION > {WORK}/version.txt",
         checks, ["archive", "tar"])
 
 
 def permissions(rng: random.Random) -> TaskParts:
-    script, key = rng.choice(SERVICES), rng.choice(WORDS)
-    word = rng.choice(WORDS)
+    script, key = rng.choice(rng.services), rng.choice(rng.words)
+    word = rng.choice(rng.words)
     sp, kp = f"{WORK}/scripts/{script}.sh", f"{WORK}/keys/{key}.pem"
     mode = rng.choice(("755", "700", "750"))
     return TaskParts(
@@ -261,9 +282,9 @@ def permissions(rng: random.Random) -> TaskParts:
 
 def _tree(rng: random.Random, root: str) -> dict[str, str]:
     files = {}
-    dirs = ["", *(f"{a}/" for a in _names(rng, WORDS, 3)), f"{rng.choice(WORDS)}/{rng.choice(WORDS)}/"]
+    dirs = ["", *(f"{a}/" for a in _names(rng, rng.words, 3)), f"{rng.choice(rng.words)}/{rng.choice(rng.words)}/"]
     for _ in range(rng.randint(10, 16)):
-        name = f"{rng.choice(dirs)}{rng.choice(WORDS)}{rng.randint(1, 99)}.{rng.choice(EXTS)}"
+        name = f"{rng.choice(dirs)}{rng.choice(rng.words)}{rng.randint(1, 99)}.{rng.choice(EXTS)}"
         files[f"{root}/{name}"] = "x" * rng.choice((3, 40, 120, 300, 900)) + "\n"
     return files
 
@@ -279,8 +300,8 @@ def find_files(rng: random.Random) -> TaskParts:
         solve = f"cd {root} && find . -type f -size +{limit}c | sed 's|^\\./||' | LC_ALL=C sort > {out}"
     else:
         ext = rng.choice(EXTS)
-        files[f"{root}/{rng.choice(WORDS)}.{ext}.bak"] = "old\n"   # *.ext must not match it
-        files[f"{root}/{rng.choice(WORDS)}/{rng.choice(WORDS)}0.{ext}"] = "new\n"
+        files[f"{root}/{rng.choice(rng.words)}.{ext}.bak"] = "old\n"   # *.ext must not match it
+        files[f"{root}/{rng.choice(rng.words)}/{rng.choice(rng.words)}0.{ext}"] = "new\n"
         hits = sorted(p.removeprefix(root + "/") for p in files if p.endswith("." + ext))
         what = f"whose name ends in `.{ext}`"
         solve = f"cd {root} && find . -type f -name '*.{ext}' | sed 's|^\\./||' | LC_ALL=C sort > {out}"
@@ -295,7 +316,7 @@ def find_files(rng: random.Random) -> TaskParts:
 
 def write_script(rng: random.Random) -> TaskParts:
     op, word = rng.choice((("sum", "+"), ("product", "*"), ("difference (first minus second)", "-")))
-    name = f"{rng.choice(WORDS)}-{op.split()[0]}"
+    name = f"{rng.choice(rng.words)}-{op.split()[0]}"
     path = f"{WORK}/bin/{name}"
     pairs = [(rng.randint(-50, 99), rng.randint(0, 99)) for _ in range(3)]
     checks = [f"[ -x {path} ] || fail '{path} is not executable'"]
@@ -314,9 +335,9 @@ def write_script(rng: random.Random) -> TaskParts:
 def rename_ext(rng: random.Random) -> TaskParts:
     d, src, dst = f"{WORK}/inbox", rng.choice(("txt", "log")), rng.choice(("md", "bak"))
     files, after = {}, {}
-    for name in _names(rng, WORDS, rng.randint(3, 6)):
+    for name in _names(rng, rng.words, rng.randint(3, 6)):
         files[f"{d}/{name}.{src}"] = after[f"{d}/{name}.{dst}"] = f"{name}\n"
-    keep = f"{d}/{rng.choice(WORDS)}.csv"
+    keep = f"{d}/{rng.choice(rng.words)}.csv"
     files[keep] = after[keep] = "a,b\n"
     listing = "\n".join(sorted(p.removeprefix(d + "/") for p in after))
     checks = [f"(cd {d} && ls -A | LC_ALL=C sort) > /tmp/listing.txt", _heredoc("/tmp/listing.txt", listing)]
@@ -331,8 +352,8 @@ def rename_ext(rng: random.Random) -> TaskParts:
 def grep_which(rng: random.Random) -> TaskParts:
     d = f"{WORK}/notes"
     token = f"TICKET-{rng.randint(1000, 9999)}"
-    names = [f"{w}.txt" for w in _names(rng, WORDS, rng.randint(5, 9))]
-    files = {f"{d}/{n}": " ".join(rng.sample(WORDS, 6)) + f"\nref TICKET-{rng.randint(10, 999)}\n" for n in names}
+    names = [f"{w}.txt" for w in _names(rng, rng.words, rng.randint(5, 9))]
+    files = {f"{d}/{n}": " ".join(rng.sample(rng.words, 6)) + f"\nref TICKET-{rng.randint(10, 999)}\n" for n in names}
     target = rng.choice(names)
     files[f"{d}/{target}"] += f"see {token} for details\n"
     return TaskParts(
@@ -344,12 +365,12 @@ def grep_which(rng: random.Random) -> TaskParts:
 
 
 def set_difference(rng: random.Random) -> TaskParts:
-    users = [f"{w}{rng.randint(1, 9)}" for w in _names(rng, WORDS, rng.randint(8, 14))]
+    users = [f"{w}{rng.randint(1, 9)}" for w in _names(rng, rng.words, rng.randint(8, 14))]
     done = rng.sample(users, rng.randint(2, len(users) - 3))
     todo = [u for u in users if u not in done]
     shuffled = list(done)
     rng.shuffle(shuffled)
-    team = rng.choice(SERVICES)
+    team = rng.choice(rng.services)
     a, b = f"{WORK}/{team}-members.txt", f"{WORK}/{team}-{rng.choice(('trained', 'onboarded', 'paid'))}.txt"
     out = f"{WORK}/{team}-{rng.choice(('todo', 'report', 'result'))}.txt"
     inter = rng.random() < 0.4
@@ -367,7 +388,7 @@ def set_difference(rng: random.Random) -> TaskParts:
 def filter_csv(rng: random.Random) -> TaskParts:
     roles = ("admin", "editor", "viewer", "owner")
     role = rng.choice(roles)
-    rows = [(f"{w}{i}", rng.choice(roles)) for i, w in enumerate(rng.sample(WORDS, rng.randint(8, 14)))]
+    rows = [(f"{w}{i}", rng.choice(roles)) for i, w in enumerate(rng.sample(rng.words, rng.randint(8, 14)))]
     if not any(r == role for _, r in rows):
         rows[0] = (rows[0][0], role)
     org = rng.choice(("acme", "globex", "initech", "umbrella", "hooli"))

@@ -23,8 +23,12 @@ Design decisions:
   into each fresh sandbox) and the task directory (what the verifier reads its hidden tests from,
   through `miles.sandboxes.harbor`). The Dockerfile copies the same files, so a Harbor runner that
   builds environment/ gets the same tree: a test checks both paths.
-- The split is by task (seeded shuffle): a held-out task's names, numbers and files are never seen
-  in training, and most of its family's siblings are.
+- The split is by task (a seeded sample, drawn before the tasks): a held-out task draws its names
+  from held-out pools (`families.HELDOUT_WORDS`, ...), so none of its words, services or cities
+  occurs in a train task (a test checks it); its family's train siblings teach the commands.
+- Every argument of an SFT transcript's tool call is in the prompt or a family-wide word of its
+  commands (a test checks it over every family): a solve.sh never uses a constant that only the
+  files show (a column's position, a tar's top directory), which no model could copy.
 - `terminal_tasks_compact` sends no tool schemas (as `find_file` does): a tiny model learns the two
   tools in the warm-start and each prompt is ~5x shorter, which is what a CPU run pays for.
 - The SFT rows are the oracle's transcripts of the train tasks (bash with solve.sh's commands, then
@@ -43,7 +47,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.agentic.terminal.families import FAMILIES, WORK, TaskParts
+from miles.agentic.terminal.families import FAMILIES, WORK, TaskParts, TaskRng
 
 VERSION = "1"
 N_TASKS = 48
@@ -82,6 +86,7 @@ class TaskRecord:
     index: int
     seed: int
     parts: TaskParts
+    heldout: bool = False
 
 
 def default_root(seed: int) -> Path:
@@ -91,9 +96,17 @@ def default_root(seed: int) -> Path:
     return (Path(base) if base else default_cache_dir() / "terminal-tasks") / f"v{VERSION}-seed{seed}"
 
 
-def make_parts(seed: int, index: int) -> TaskParts:
+def heldout_indices(seed: int, n: int, test_frac: float) -> set[int]:
+    """Which of the n tasks are held out: a seeded sample, decided before any task is drawn (a
+    held-out task draws its names from the held-out pools)."""
+    if not 0.0 < test_frac < 1.0:
+        raise ValueError(f"test_frac={test_frac}: expected a fraction in (0, 1)")
+    return set(random.Random(f"split-{seed}").sample(range(n), max(1, int(round(n * test_frac)))))
+
+
+def make_parts(seed: int, index: int, heldout: bool = False) -> TaskParts:
     family = FAMILIES[index % len(FAMILIES)]
-    parts = family(random.Random(f"miles-terminal-{VERSION}-{seed}-{index}"))
+    parts = family(TaskRng(f"miles-terminal-{VERSION}-{seed}-{index}", heldout))
     outside = [p for p in parts.files if not p.startswith(WORK + "/")]
     if outside:
         raise ValueError(f"family {parts.family}: files {outside} are outside {WORK}")
@@ -123,9 +136,9 @@ def task_files(parts: TaskParts, name: str, seed: int, index: int) -> dict[str, 
     return out
 
 
-def write_task(root: str | Path, seed: int, index: int) -> TaskRecord:
+def write_task(root: str | Path, seed: int, index: int, heldout: bool = False) -> TaskRecord:
     """Write task `index` of `seed` under root (kept if already there with the same content)."""
-    parts = make_parts(seed, index)
+    parts = make_parts(seed, index, heldout)
     name = task_name(parts, index)
     files = task_files(parts, name, seed, index)
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
@@ -145,20 +158,21 @@ def write_task(root: str | Path, seed: int, index: int) -> TaskRecord:
             os.rename(tmp, target)
         except OSError:   # another process wrote the same task first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
-    return TaskRecord(name, str(target), index, seed, parts)
+    return TaskRecord(name, str(target), index, seed, parts, heldout)
 
 
-def generate(out_dir: str | Path, seed: int = 0, n: int = N_TASKS) -> list[TaskRecord]:
+def generate(out_dir: str | Path, seed: int = 0, n: int = N_TASKS,
+             heldout: set[int] = frozenset()) -> list[TaskRecord]:
     if n < 1:
         raise ValueError(f"n={n}: expected at least one task")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return [write_task(out_dir, seed, i) for i in range(n)]
+    return [write_task(out_dir, seed, i, i in heldout) for i in range(n)]
 
 
 def row(rec: TaskRecord, declare_tools: bool = True) -> dict:
     return {"prompt": rec.parts.instruction, "label": rec.name, "metadata": {
         "task_dir": rec.path, "task_name": rec.name, "family": rec.parts.family, "task_seed": rec.seed,
-        "task_index": rec.index, "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
+        "task_index": rec.index, "task_heldout": rec.heldout, "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
         "declare_tools": declare_tools}}
 
 
@@ -170,7 +184,8 @@ def ensure_task(metadata: dict) -> str:
                              f"(keys: {sorted(metadata)})")
     path = Path(metadata["task_dir"])
     if not (path / "task.toml").is_file():
-        write_task(path.parent, int(metadata["task_seed"]), int(metadata["task_index"]))
+        write_task(path.parent, int(metadata["task_seed"]), int(metadata["task_index"]),
+                   bool(metadata.get("task_heldout", False)))
     return str(path)
 
 
@@ -213,13 +228,11 @@ def terminal_tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS,
                    out_dir: str | Path | None = None, declare_tools: bool = True) -> dict[str, list[dict]]:
     """The `data.task` function: train / held-out rows by task, and the oracle's SFT transcripts.
     `declare_tools=False` sends no tool schemas (each row's `metadata["declare_tools"]`)."""
-    if not 0.0 < test_frac < 1.0:
-        raise ValueError(f"test_frac={test_frac}: expected a fraction in (0, 1)")
-    records = generate(out_dir or default_root(seed), seed, n)
+    heldout = heldout_indices(seed, n, test_frac)
+    records = generate(out_dir or default_root(seed), seed, n, heldout)
     rows = [row(r, declare_tools) for r in records]
-    random.Random(f"split-{seed}").shuffle(rows)
-    n_test = max(1, int(round(len(rows) * test_frac)))
-    train, test = rows[n_test:], rows[:n_test]
+    train = [r for r in rows if not r["metadata"]["task_heldout"]]
+    test = [r for r in rows if r["metadata"]["task_heldout"]]
     sft = sft_rows(train)
     random.Random(seed).shuffle(sft)
     return {"train": train, "test": test, "sft": sft}
