@@ -145,6 +145,8 @@ def load_rows(results: Path = RESULTS) -> list[tuple[Path, int, Row]]:
             if row.topic not in TOPICS:
                 raise RowError(f"{where}: field `topic`: {row.topic!r} is not one of "
                                f"{', '.join(TOPICS)}")
+            if row.id in TOPICS:
+                raise RowError(f"{where}: field `id`: {row.id!r} is a section's anchor")
             if row.id in seen:
                 raise RowError(f"{where}: field `id`: {row.id!r} is already the id of {seen[row.id]}")
             if row.transcribed and not row.source:
@@ -182,8 +184,9 @@ def render(rows: list[tuple[Path, int, Row]]) -> str:
     by_topic: dict[str, list[tuple[int, Row]]] = {t: [] for t in TOPICS}
     for order, (_, _, row) in enumerate(rows):
         by_topic[row.topic].append((order, row))
-    out.append(" · ".join(f"[{title}](#{topic})" for topic, title in TOPICS.items()
-                          if by_topic[topic]))
+    out += textwrap.wrap(" · ".join(f"[{title}](#{topic})" for topic, title in TOPICS.items()
+                                    if by_topic[topic]), 100, break_long_words=False,
+                         break_on_hyphens=False)
     out.append("")
     for topic, title in TOPICS.items():
         entries = sorted(by_topic[topic], key=lambda e: (-e[1].date.toordinal(), e[0]))

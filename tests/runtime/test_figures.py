@@ -54,6 +54,8 @@ def test_every_row_has_its_fields_and_an_anchor():
      '"command": "c", "figure": "f", "baseline": "b"}', "date"),
     ('{"id": "Bad Id", "topic": "wire", "what": "w", "date": "2026-12-01", "machine": "m", '
      '"command": "c", "figure": "f", "baseline": "b"}', "id"),
+    ('{"id": "wire", "topic": "wire", "what": "w", "date": "2026-12-01", "machine": "m", '
+     '"command": "c", "figure": "f", "baseline": "b"}', "id"),
     ('{"id": "x", "topic": "gossip", "what": "w", "date": "2026-12-01", "machine": "m", '
      '"command": "c", "figure": "f", "baseline": "b"}', "topic"),
     ('{"id": "x", "topic": "wire", "what": "", "date": "2026-12-01", "machine": "m", '
