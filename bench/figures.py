@@ -148,9 +148,11 @@ def load_rows(results: Path = RESULTS) -> list[tuple[Path, int, Row]]:
             if row.id in TOPICS:
                 raise RowError(f"{where}: field `id`: {row.id!r} is a section's anchor")
             if row.id in seen:
-                raise RowError(f"{where}: field `id`: {row.id!r} is already the id of {seen[row.id]}")
+                raise RowError(f"{where}: field `id`: {row.id!r} is already the id of "
+                               f"{seen[row.id]}")
             if row.transcribed and not row.source:
-                raise RowError(f"{where}: field `source`: a transcribed row names where it came from")
+                raise RowError(f"{where}: field `source`: a transcribed row names where it "
+                               "came from")
             seen[row.id] = where
             rows.append((path, lineno, row))
     return rows
@@ -255,7 +257,8 @@ def record(args: argparse.Namespace) -> None:
     except (RowError, msgspec.ValidationError) as e:
         raise SystemExit(f"figures record: {e}") from None
     if args.id in known:
-        raise SystemExit(f"figures record: --id = {args.id!r} is taken: ids are anchors, never reused")
+        raise SystemExit(f"figures record: --id = {args.id!r} is taken: ids are anchors, "
+                         "never reused")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     lines = []
     for line in proc.stdout:  # echoed as it comes: a bench may run for minutes
