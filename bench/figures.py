@@ -11,7 +11,11 @@ Every bench prints one JSON line of figures and the machine. `record` runs the b
 given after `--`, echoes its output (as `tee` would), takes its last JSON object line, appends one
 row to `bench/results/<topic>.jsonl` and regenerates the page: the row's figure and baseline are
 the named keys of the bench's line (`--figure a,b --baseline c`, dotted paths reach nested
-objects), and the whole line is kept unchanged under `result`.
+objects), and the whole line is kept unchanged under `result`. The benches' lines carry
+`machine` as a string (`miles.hostinfo.machine`); where one does not (chaos.py's is the CPU
+architecture alone), give `--machine`. A bench that prints a line per configuration (envs.py per
+integration, offload.py per model and mode, chaos.py per case) is recorded one line at a time
+with `--where KEY=VALUE` (`--where integration=hud`).
 
 The row schema (one JSON object per line, decoded by msgspec into `Row`; unknown fields refused):
   id           the row's anchor, `[a-z0-9-]+`, unique over all files: `docs/figures.md#<id>`
@@ -230,7 +234,16 @@ def _figures_text(result: dict, keys: str) -> str:
     return "; ".join(parts)
 
 
-def last_json_line(output: str) -> dict:
+def last_json_line(output: str, where: list[str] = ()) -> dict:
+    """The last JSON object line of `output` whose `KEY=VALUE` pairs of `where` all match
+    (values compared as text): benches that print a line per configuration (envs, offload, chaos)
+    are recorded one configuration at a time."""
+    wanted = []
+    for pair in where:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"figures record: --where {pair!r}: expected KEY=VALUE")
+        wanted.append((key, value))
     for line in reversed(output.splitlines()):
         line = line.strip()
         if line.startswith("{"):
@@ -238,9 +251,11 @@ def last_json_line(output: str) -> dict:
                 value = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(value, dict):
+            if isinstance(value, dict) and all(
+                    k in value and str(value[k]) == v for k, v in wanted):
                 return value
-    raise SystemExit("figures record: the command printed no JSON object line")
+    raise SystemExit("figures record: the command printed no JSON object line"
+                     + (f" with {', '.join(where)}" if where else ""))
 
 
 def record(args: argparse.Namespace) -> None:
@@ -266,7 +281,7 @@ def record(args: argparse.Namespace) -> None:
         lines.append(line)
     if proc.wait() != 0:
         raise SystemExit(f"figures record: the bench exited {proc.returncode}; nothing recorded")
-    result = last_json_line("".join(lines))
+    result = last_json_line("".join(lines), args.where)
     machine = args.machine or result.get("machine")
     if not isinstance(machine, str) or not machine:
         raise SystemExit("figures record: the bench's line has no `machine` string: give --machine")
@@ -304,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     rec.add_argument("--figure", required=True, help="keys of the bench's line: a,b.c")
     rec.add_argument("--baseline", default="", help="keys of the same-run baseline")
     rec.add_argument("--machine", default="", help="when the bench's line has no `machine`")
+    rec.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                     help="record the last line with this field (repeatable)")
     rec.add_argument("command", nargs=argparse.REMAINDER, help="-- the bench command")
     args = parser.parse_args(argv)
     if args.cmd == "record":

@@ -98,6 +98,25 @@ def test_record_appends_the_bench_line_and_regenerates(tmp_path):
     assert "is taken" in str(stop.value)
 
 
+def test_record_picks_the_line_of_one_configuration(tmp_path):
+    results, page = tmp_path / "results", tmp_path / "figures.md"
+    lines = [{"integration": name, "episodes_per_s": rate, "env_s": 0.1, "machine": "m"}
+             for name, rate in (("hud", 10.5), ("harbor", 1.2), ("openenv", 12.0))]
+    printed = "; ".join(f"print(json.dumps({line!r}))" for line in lines)
+    figures.main(["--results", str(results), "--page", str(page), "record", "--topic", "envs",
+                  "--id", "harbor-rate", "--what", "harbor", "--figure", "episodes_per_s",
+                  "--baseline", "env_s", "--where", "integration=harbor", "--",
+                  sys.executable, "-c", f"import json; {printed}"])
+    row = json.loads((results / "envs.jsonl").read_text())
+    assert row["figure"] == "episodes_per_s 1.2" and row["result"]["integration"] == "harbor"
+    with pytest.raises(SystemExit) as stop:
+        figures.main(["--results", str(results), "--page", str(page), "record", "--topic", "envs",
+                      "--id", "nemo-rate", "--what", "x", "--figure", "episodes_per_s",
+                      "--where", "integration=nemo_gym", "--", sys.executable, "-c",
+                      f"import json; {printed}"])
+    assert "no JSON object line with integration=nemo_gym" in str(stop.value)
+
+
 def test_the_readme_is_one_page_and_its_links_land():
     readme = ROOT / "README.md"
     text = readme.read_text()
