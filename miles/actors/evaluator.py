@@ -27,11 +27,13 @@ Design decisions:
   mode an agent gets a session server of its own in front of the evaluation engine.
 - A failed evaluation returns `ok = false` with the error: that point is skipped and training
   goes on. Rollout admission is resumed whatever happened.
-- pass@k: each prompt is sampled `eval.samples_per_prompt` (n) times, sample j with seed
-  `run.seed + j` (n > 1 needs `eval.temperature` > 0 to differ); a sample passes when its scalar
-  reward is at least `eval.pass_threshold`. `eval/pass@1` and `eval/pass@k` (k = n) are the
-  unbiased estimator of Chen et al. 2021 (`pass_at_k`) averaged over prompts; `eval/reward` is
-  the mean over all samples, `eval/n` the number of prompts.
+- pass@k: each prompt is sampled `eval.samples_per_prompt` (n) times, sample j of prompt p with
+  seed `miles.seeds.eval_seed(run.seed, p, j)` (a hash, in a domain of its own: no two samples
+  share draws, nor an eval sample a training one; n > 1 needs `eval.temperature` > 0 to
+  differ); a sample passes when its scalar reward is at least `eval.pass_threshold`.
+  `eval/pass@1` and `eval/pass@k` (k = n) are the unbiased estimator of Chen et al. 2021
+  (`pass_at_k`) averaged over prompts; `eval/reward` is the mean over all samples, `eval/n` the
+  number of prompts.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import numpy as np
 from miles.actors.base import Actor
 from miles.rl.prompts import prompt_token_ids
 from miles.rl.rewards import call_maybe_async, load_function
+from miles.seeds import eval_seed
 from miles.wire.messages import EngineSet, EvalResult, Evaluate, GetEngines, PauseAdmission, Sample
 
 log = logging.getLogger(__name__)
@@ -152,7 +155,8 @@ class Evaluator(Actor):
             async def one(prompt, j):
                 ids = prompt_token_ids(self.tokenizer, prompt.prompt, r.data.apply_chat_template)
                 async with limit:
-                    result = await client.generate(ids, self._nth(params, j), routing_key=f"eval-{prompt.index}")
+                    result = await client.generate(ids, self._nth(params, prompt, j),
+                                                   routing_key=f"eval-{prompt.index}")
                 served.extend(parse_weight_version(s.version) for s in result.weight_versions)
                 if not result.weight_versions and result.weight_version:
                     served.append(parse_weight_version(result.weight_version))
@@ -165,9 +169,10 @@ class Evaluator(Actor):
             results = await self._per_prompt(one)
         return self._summary(results, served)
 
-    def _nth(self, params, j: int):
+    def _nth(self, params, prompt, j: int):
         """Sample j of a prompt: its own seed, so the n samples of pass@k are n draws."""
-        return params if j == 0 else msgspec.structs.replace(params, sampling_seed=(params.sampling_seed or 0) + j)
+        return msgspec.structs.replace(params, sampling_seed=eval_seed(self.recipe.run.seed,
+                                                                       prompt.index, j))
 
     async def _per_prompt(self, one) -> list[list[tuple[float, int]]]:
         n = self.cfg.samples_per_prompt
@@ -206,7 +211,7 @@ class Evaluator(Actor):
                                     rollout_id=key if j == 0 else f"{key}-s{j}", prompt=prompt.prompt,
                                     label=prompt.label, metadata=dict(prompt.metadata))
                     async with limit:
-                        samples = await run_episode(env, sample, self._nth(params, j))
+                        samples = await run_episode(env, sample, self._nth(params, prompt, j))
                     served.extend(v.version for s in samples for v in s.weight_versions)
                     last = samples[-1]
                     ok = last.status in ("completed", "truncated")

@@ -10,9 +10,10 @@ Design decisions:
 - Token in, token out: prompts are tokenized here once (`miles.rl.prompts`, as the evaluator
   does); the engine's output ids are kept as they are (never re-tokenized), with the engine's
   logprobs (None when it sent none: never invented zeros) and per-token weight-version spans.
-- Deterministic sampling: each sample's `sampling_seed` is derived from (run seed, prompt index,
-  sample index, attempt), so the same recipe and seed give the same tokens under the same weights.
-  This is what makes sync and fully-async identical at staleness 0.
+- Deterministic sampling: each sample's `sampling_seed` is a hash of (run seed, prompt index,
+  sample index, attempt) (`miles.seeds.sample_seed`; an episode's turn k > 0 hashes the turn in
+  too), so the same recipe and seed give the same tokens under the same weights, and no two
+  samples share a stream. This is what makes sync and fully-async identical at staleness 0.
 - Engines go through the gateway with `X-SMG-Routing-Key: <group id>`: samples of one prompt
   share a prefix and land on one engine.
 - Transient engine errors (connection refused/reset, 5xx, timeouts, a request aborted by a dying
@@ -68,16 +69,13 @@ from miles.algo.routing import pack_routing
 from miles.envs.episode import EpisodeEnv, run_episode
 from miles.rl.data import Prompt
 from miles.rl.rewards import call_off_loop, check_reward, load_function
+from miles.seeds import sample_seed
 from miles.wire.messages import (GetEngines, GetRolloutResume, GetRolloutState, Group,
                                  NoteRolloutStart, OrphanSlot, PauseAdmission, PutGroup,
                                  PutReply, ReleaseSlot, Reserve, RolloutState, Sample,
                                  StartRollout, StopRollout)
 
 BUFFER_RETRIES = 3   # re-sends of an idempotent buffer call after the buffer restarted
-
-
-def sample_seed(run_seed: int, prompt_index: int, sample_index: int, attempt: int) -> int:
-    return (run_seed * 1_000_003 + prompt_index * 1_009 + sample_index * 7 + attempt * 100_003) % (2**31 - 1)
 
 
 class EngineAborted(Exception):

@@ -10,7 +10,7 @@ finished sample, or several (a trajectory tree: the framework gives them all the
 `rollout_id` and `group_id`). `ctx` offers:
 
     ctx.recipe, ctx.engine (EngineClient via the gateway), ctx.tokenizer, ctx.limits (AgentConfig)
-    ctx.sampling      this sample's SamplingParams (seed derived from run seed, prompt, sample, attempt)
+    ctx.sampling      this sample's SamplingParams (seed: a hash of run seed, prompt, sample, attempt)
     ctx.routing_key   sent with every engine call of the episode (one engine, one KV prefix)
     ctx.sessions      SessionServerClient with the job's token, or None (session server off)
     await ctx.sandbox()                the episode's sandbox, created on the first call
@@ -21,8 +21,9 @@ Design decisions:
 - `ctx.generate` is a turn: counted, timed as LLM time, refused (`EpisodeLimitError`) past
   `agent.max_turns` or `agent.max_episode_tokens`, bounded by `agent.turn_timeout_s`, and its
   `max_new_tokens` is clipped to what is left of the episode's token budget. Turn k samples with
-  seed `sampling_seed + k` (two turns must not repeat each other's draws); transient engine errors
-  are retried from the same input and seed, as the built-in path does.
+  seed `miles.seeds.turn_seed(sampling_seed, k)` (turn 0 keeps the sample's seed, later turns
+  hash k in: two turns must not repeat each other's draws); transient engine errors are retried
+  from the same input and seed, as the built-in path does.
 - Every call is traced (input ids, output ids, log-probs). An episode that raises or times out
   still yields its tokens: `EpisodeContext.partial_sample` rebuilds the longest trajectory from the
   trace, with the loss mask on exactly the model's tokens that are still in it.
@@ -45,6 +46,7 @@ import msgspec
 import numpy as np
 
 from miles.sandboxes.base import SandboxError, SandboxSpec, SandboxSpecError
+from miles.seeds import turn_seed
 from miles.wire.messages import Sample
 
 
@@ -237,7 +239,9 @@ class EpisodeContext:
         if left <= 0:
             raise EpisodeLimitError("max_episode_tokens", f"{stats.generated_tokens} tokens generated")
         ids = input_ids.tolist() if isinstance(input_ids, np.ndarray) else list(input_ids)
-        seed = (self.sampling.sampling_seed or 0) + stats.turns
+        seed = self.sampling.sampling_seed
+        if seed is not None:   # turn k > 0 hashes k in: two turns must not share their draws
+            seed = turn_seed(seed, stats.turns)
         params = msgspec.structs.replace(self.sampling, sampling_seed=seed, **param_overrides)
         params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens or left, left))
         rid = f"{self._rid}-t{stats.turns}"

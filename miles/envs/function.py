@@ -51,6 +51,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from miles.rl.data import Prompt
 from miles.rl.rewards import check_reward
+from miles.seeds import sample_seed
 from miles.wire.messages import Group, PutGroup, Reserve, Sample
 from miles.wire.transport import RemoteError
 
@@ -80,7 +81,7 @@ class RolloutContext:
         return sampling_params(self.recipe.rollout, seed)
 
     def sample_seed(self, prompt: Prompt, index: int, attempt: int = 0) -> int:
-        from miles.actors.rollout import sample_seed
+        """The built-in worker's seed of this sample (`miles.seeds.sample_seed`: a hash)."""
         return sample_seed(self.recipe.run.seed, prompt.index, index, attempt)
 
     def tokenize(self, prompt: Prompt) -> list[int]:

@@ -14,6 +14,7 @@ from miles.backends import TrainConfig
 from miles.config import Recipe, RunConfig, load_recipe
 from miles.rl.config import DataConfig, EvalConfig
 from miles.rl.data import Prompt
+from miles.seeds import eval_seed, sample_seed
 
 
 def test_pass_at_k_is_the_share_of_k_subsets_holding_a_pass():
@@ -63,7 +64,7 @@ class ByteTokenizer:
 async def test_each_prompt_is_sampled_n_times_with_its_own_seeds_and_scored_pass_at_k(tmp_path):
     seed = 100
     # prompt 0: 0 of 4 pass; prompt 1: 1 of 4; prompt 2: 4 of 4
-    fake = SeedEngine({1: {seed + 2}, 2: {seed, seed + 1, seed + 2, seed + 3}})
+    fake = SeedEngine({1: {eval_seed(seed, 1, 2)}, 2: {eval_seed(seed, 2, j) for j in range(4)}})
     app = web.Application()
     app.router.add_post("/generate", fake.generate)
     runner = web.AppRunner(app)
@@ -83,7 +84,10 @@ async def test_each_prompt_is_sampled_n_times_with_its_own_seeds_and_scored_pass
         metrics, served = await ev._score(url)
     finally:
         await runner.cleanup()
-    assert sorted(fake.seeds) == [(p, seed + j) for p in range(3) for j in range(4)]
+    # sample j of prompt p: eval_seed(run seed, p, j), twelve distinct seeds, none a training one
+    assert sorted(fake.seeds) == sorted((p, eval_seed(seed, p, j)) for p in range(3) for j in range(4))
+    assert len({s for _, s in fake.seeds}) == 12
+    assert not {s for _, s in fake.seeds} & {sample_seed(seed, p, j, 0) for p in range(3) for j in range(4)}
     assert metrics["eval/n"] == 3 and metrics["eval/k"] == 4
     assert metrics["eval/reward"] == pytest.approx(5 / 12)
     assert metrics["eval/pass@1"] == pytest.approx((0 + 0.25 + 1) / 3)
