@@ -92,6 +92,12 @@ INTROS = {
         "machine is the limit. A faster engine would not change the ratio much: it speeds up the "
         "sync step's straggler (~240 sequential decode steps per step) as much as the fully-async "
         "step (~64 larger batched ones)."),
+    "wire": ("The data plane's run, per DP size, path and send, is tabulated in full in "
+             "[gpu_and_clusters.md](gpu_and_clusters.md#several-nodes-slurm-or-torchrun-style)."),
+    "recovery": ("What each failure does, and the node-loss timings: "
+                 "[recovery.md](recovery.md)."),
+    "capacity": ("The calibration tables, configuration by configuration, and the projections: "
+                 "[capacity.md](capacity.md#calibration-and-validation)."),
 }
 
 Text = Annotated[str, msgspec.Meta(min_length=1)]
