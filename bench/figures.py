@@ -35,6 +35,9 @@ Design decisions:
 - The page is data, not prose: a figure is added by appending a line, never by editing the page,
   and a test (tests/runtime/test_figures.py) fails when the committed page is not what the rows
   give. Rows keep their anchors forever, so the README links to them.
+- `record` instead of `bench/x.py | tee -a bench/results/x.jsonl`: a bench's own line names
+  neither the day nor the command, and its figures sit under keys of its own; the wrapper adds
+  the first two and picks the figure and baseline keys once, so every row reads the same.
 - A bad row stops the generator with one line naming the file, the line and the field.
 - Transcribed rows keep the old table's text. The old table gave a date only for some rows; the
   others carry the day their README line was last written (from `git blame`), the closest record
