@@ -18,12 +18,14 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.replies, self.prompts, self.url = tokenizer, [], [], ""
+        self.prompt_ids: list[list[int]] = []   # each request's input ids, as the engine got them
         self.sampling: list[dict] = []   # each request's sampling_params, in order
 
     def app(self) -> web.Application:
         async def generate(request: web.Request) -> web.Response:
             body = await request.json()
             self.prompts.append(self.tokenizer.decode(body["input_ids"]))
+            self.prompt_ids.append(list(body["input_ids"]))
             self.sampling.append(dict(body.get("sampling_params") or {}))
             text = self.replies.pop(0) if self.replies else "done"
             ids = self.tokenizer.encode(text) + [self.tokenizer.token_id("<|im_end|>")]

@@ -33,7 +33,8 @@ Design decisions:
   differ); a sample passes when its scalar reward is at least `eval.pass_threshold`.
   `eval/pass@1` and `eval/pass@k` (k = n) are the unbiased estimator of Chen et al. 2021
   (`pass_at_k`) averaged over prompts; `eval/reward` is the mean over all samples, `eval/n` the
-  number of prompts.
+  number of prompts. Rows that name groups (`metadata["eval_groups"]`, a list of names: the SWE
+  tasks give their bug's difficulty and template) also get `eval/<group>/pass@1`.
 """
 
 from __future__ import annotations
@@ -188,6 +189,14 @@ class Evaluator(Actor):
                    "eval/pass@1": float(np.mean([pass_at_k(n, c, 1) for c in passed])),
                    "eval/pass@k": float(np.mean([pass_at_k(n, c, k) for c in passed])),
                    "eval/k": float(k)}
+        # per-group pass@1 where the rows name their groups (metadata["eval_groups"], e.g. a bug's
+        # difficulty and template): eval/<group>/pass@1
+        groups: dict[str, list[int]] = {}
+        for prompt, c in zip(self.prompts, passed):
+            for g in (prompt.metadata or {}).get("eval_groups") or []:
+                groups.setdefault(str(g), []).append(c)
+        for g, cs in sorted(groups.items()):
+            metrics[f"eval/{g}/pass@1"] = float(np.mean([pass_at_k(n, c, 1) for c in cs]))
         if not served:
             return metrics, None
         metrics["eval/version_min"], metrics["eval/version_max"] = float(min(served)), float(max(served))

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from miles.agentic.swe.harness import SWERunner, agent
+from miles.agentic.swe.scripted import episode, malformed, sft_rows
 from miles.agentic.swe.tasks import tasks
 from miles.agentic.swe.verify import verify
 from miles.envs.agent import run_agent_group
@@ -55,7 +56,7 @@ async def test_the_fix_made_through_the_tools_is_what_the_verifier_scores(script
     assert '"name": "edit"' in engine.prompts[0]        # the schemas were offered to the model
     assert len(samples) == 1 and samples[0].loss_mask.sum() > 0
     reward = await verify(samples[0].__class__(tokens=samples[0].tokens, metadata=row["metadata"]), sandbox=box)
-    assert reward == {"resolved": 1.0, "pass_frac": 1.0, "fail_to_pass": 1.0}
+    assert reward == {"resolved": 1.0, "pass_frac": 1.0, "fail_to_pass": 1.0, "format": 1.0}
 
 
 async def test_bad_calls_are_answered_and_prose_ends_the_episode(scripted_session, host_sandboxes):
@@ -109,3 +110,60 @@ async def test_view_edit_insert_delete_and_search_on_a_sandbox(host_sandboxes):
     assert await run("submit") == "submitted" and runner.submitted
     with pytest.raises(AssertionError):
         await run("view", path="m.py", start=9)
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["oracle", "recovery"])
+async def test_sft_rows_are_token_for_token_what_the_harness_renders(scripted_session, host_sandboxes,
+                                                                     recover):
+    """Each SFT row's prompt is the engine's input ids at that turn of a real episode (session
+    server, harness, sandbox), and its label is the turn's reply; the recovery transcript's
+    malformed call gets the harness's parse error, and its episode is scored, not failed."""
+    from miles.envs.tool_agent import PARSE_ERROR
+    engine, url = scripted_session
+    row = ROWS[0]
+    rows = sft_rows([row])                  # task 0 gives the plain transcript and the recovery
+    n = len(episode(row["metadata"]))
+    rows = rows[n:] if recover else rows[:n]
+    assert len(rows) == n
+    name, args, _ = episode(row["metadata"])[0]
+    engine.replies = ([malformed(name, args)] if recover else []) + [r["label"] for r in rows]
+    box = await host_sandboxes(row["metadata"]["files"])
+    captured = {}
+
+    async def harness(base_url, task):
+        captured.update(await agent(base_url, task))
+        return captured
+
+    samples = await run_agent_group(harness, task_of(row, box), 1, url)
+    assert captured["stop"] == "submitted" and captured["parse_errors"] == int(recover)
+    turns = engine.prompt_ids[int(recover):]
+    assert len(turns) == n
+    for k, r in enumerate(rows):
+        assert turns[k] == engine.tokenizer.encode(r["prompt"]), (k, engine.prompts[k + int(recover)][-300:])
+    if recover:
+        assert PARSE_ERROR in engine.prompts[1] and engine.prompts[1] == rows[0]["prompt"]
+    sample = samples[0]
+    assert sample.status == "completed"
+    meta = {**row["metadata"], "agent": {"parse_errors": captured["parse_errors"]}}
+    reward = await verify(sample.__class__(tokens=sample.tokens, metadata=meta), sandbox=box)
+    assert reward["resolved"] == 1.0 and reward["format"] == float(not recover), reward
+
+
+async def test_an_unparseable_call_is_scored_zero_with_its_format_and_not_failed(scripted_session,
+                                                                                host_sandboxes):
+    engine, url = scripted_session
+    row = ROWS[1]
+    box = await host_sandboxes(row["metadata"]["files"])
+    engine.replies = [malformed("search", {"pattern": row["metadata"]["fn"]}), "I give up."]
+    captured = {}
+
+    async def harness(base_url, task):
+        captured.update(await agent(base_url, task))
+        return captured
+
+    samples = await run_agent_group(harness, task_of(row, box), 1, url)
+    assert captured["parse_errors"] == 1 and captured["metrics"]["parse_errors"] == 1.0
+    assert samples[0].status == "completed" and samples[0].loss_mask.sum() > 0   # it is trained on
+    meta = {**row["metadata"], "agent": {"parse_errors": captured["parse_errors"]}}
+    reward = await verify(type("S", (), {"metadata": meta})(), sandbox=box)
+    assert reward["resolved"] == 0.0 and reward["format"] == 0.0, reward

@@ -9,8 +9,12 @@ from collections import Counter
 
 import pytest
 
+import keyword
+import re
+
+from miles.agentic.swe.bugs import SPECS
 from miles.agentic.swe.harness import SWERunner
-from miles.agentic.swe.scripted import null_actions, oracle_actions, play
+from miles.agentic.swe.scripted import RECOVERY_EVERY, episode, null_actions, oracle_actions, play, transcript
 from miles.agentic.swe.tasks import HIDDEN_DIR, N_TASKS, TEST_COMMAND, tasks
 from miles.agentic.swe.verify import run_hidden_tests, verify
 from miles.wire.messages import Sample
@@ -26,7 +30,9 @@ def test_the_task_set_is_seeded_varied_and_split():
     assert len(set(ids)) == len(ids)
     assert not {r["metadata"]["task_id"] for r in SPLITS["test"]} & {r["metadata"]["task_id"] for r in SPLITS["train"]}
     templates = Counter(r["metadata"]["template"] for r in ALL)
-    assert len(templates) == 13 and min(templates.values()) >= 4, templates
+    assert len(templates) == len(SPECS) == 13 and min(templates.values()) >= 4, templates
+    for split in ("train", "test"):   # every grade in both splits: some solvable, not all
+        assert {r["metadata"]["difficulty"] for r in SPLITS[split]} == {"easy", "medium", "hard"}
     assert len({r["metadata"]["bug_kind"] for r in ALL}) >= 7
     assert len({r["prompt"] for r in ALL}) == len(ALL)   # no two issues read the same
     for r in ALL:
@@ -44,11 +50,74 @@ def test_data_task_writes_the_splits_and_the_oracle_transcripts(tmp_path):
     out = make_task(tmp_path, "miles.agentic.swe.tasks:tasks", seed=0)
     read = {n: [json.loads(x) for x in (out / f"{n}.jsonl").read_text().splitlines()] for n in ("train", "test", "sft")}
     assert read["train"] == json.loads(json.dumps(SPLITS["train"])) and len(read["test"]) == len(SPLITS["test"])
-    assert len(read["sft"]) == 3 * len(SPLITS["train"])          # view, edit, submit per train task
+    recoveries = -(-len(SPLITS["train"]) // RECOVERY_EVERY)
+    # search, view, edit, submit per train task, once more for each recovery transcript
+    assert len(read["sft"]) == 4 * (len(SPLITS["train"]) + recoveries)
     assert all(r["label"].startswith("<tool_call>") and r["prompt"].endswith("<|im_start|>assistant\n")
                for r in read["sft"])
     held_out = {r["prompt"].split("\n\nThe repository")[0] for r in SPLITS["test"]}   # the whole issue
     assert not any(t in r["prompt"] for r in read["sft"] for t in held_out)   # no held-out issue in SFT
+
+
+def _defs(rows: list[dict]) -> set[str]:
+    """The functions the tasks' code defines (run_tests.py, the same runner in every task, aside)."""
+    return {n for r in rows for path, text in r["metadata"]["files"].items() if path != "run_tests.py"
+            for n in re.findall(r"def (\w+)", text)}
+
+
+def test_held_out_tasks_share_no_function_name_or_constant_with_the_train_tasks():
+    train, test = SPLITS["train"], SPLITS["test"]
+    assert not _defs(train) & _defs(test), _defs(train) & _defs(test)
+    for spec in SPECS:
+        seen = {"train": {}, "test": {}}
+        for split in seen:
+            for r in SPLITS[split]:
+                if r["metadata"]["template"] == spec.template:
+                    for slot, value in r["metadata"]["constants"].items():
+                        seen[split].setdefault(slot, set()).add(value)
+        for slot in spec.slots:
+            both = seen["train"].get(slot, set()) & seen["test"].get(slot, set())
+            assert not both, (spec.template, slot, both)
+    assert not {r["metadata"]["fn"] for r in train} & {r["metadata"]["fn"] for r in test}
+
+
+def _known(value: str, seen: list[str], prompt: str, difficulty: str, hint) -> bool:
+    """Whether one line of an edit's text can be written from what the episode showed: a line an
+    earlier result showed; for an easy bug that line with the issue's quoted wrong fragment
+    replaced by its quoted right one; for the others, words all shown (or Python's own)."""
+    shown = [line.split("| ", 1)[1] for text in seen for line in text.splitlines() if "| " in line]
+    if value in shown:
+        return True
+    if difficulty == "easy":
+        wrong, right = hint
+        return f"`{wrong}`" in prompt and f"`{right}`" in prompt and any(
+            line.replace(wrong, right) == value for line in shown if wrong in line)
+    words = set(re.findall(r"\w+", "\n".join([prompt, *seen])))
+    return all(w in words or keyword.iskeyword(w) for w in re.findall(r"\w+", value))
+
+
+def test_every_argument_of_every_transcript_was_shown_before_it_was_used():
+    for row in ALL:
+        meta = row["metadata"]
+        for recover in (False, True):
+            messages = transcript(row, recover)
+            prompt, seen = messages[0]["content"], []
+            for m in messages[1:]:
+                if m["role"] != "assistant" or not m.get("tool_calls"):
+                    seen.append(m["content"])   # a tool result, or the harness's parse error
+                    continue
+                args = json.loads(m["tool_calls"][0]["function"]["arguments"])
+                for key, value in args.items():
+                    where = (meta["task_id"], key, value)
+                    if key in ("start", "end"):     # a line number the view printed
+                        assert any(re.search(rf"^\s*{value}\| ", t, re.M) for t in seen), where
+                    elif key == "text":
+                        assert all(_known(line, seen, prompt, meta["difficulty"], meta["hint"])
+                                   for line in value.splitlines()), where
+                    else:                            # the issue's symbol, a path a result named
+                        assert any(value in t for t in [prompt, *seen]), where
+            # no argument is read off the answer: the transcript uses neither path nor lines unseen
+            assert [name for name, _, _ in episode(meta)] == ["search", "view", "edit", "submit"]
 
 
 def sample_of(row: dict) -> Sample:
@@ -65,8 +134,11 @@ async def oracle_and_null(host_sandboxes, row: dict) -> tuple[dict, dict]:
     await play(SWERunner(null_box, 30.0), null_actions(meta))
     null = await verify(sample_of(row), sandbox=null_box)
     box = await host_sandboxes(meta["files"])
-    steps = await play(SWERunner(box, 30.0), oracle_actions(meta))   # strict: the visible tests pass
-    assert steps[3][0] == "bash" and "[exit code" not in steps[3][1], steps[3]
+    steps = await play(SWERunner(box, 30.0), oracle_actions(meta))
+    # the sandbox answers what the transcript says it answered (search, view, edit)
+    assert [text for _, text, _ in steps[:3]] == [result for _, _, result in episode(meta)[:3]]
+    after = await box.exec(TEST_COMMAND, timeout_s=30)
+    assert after.exit_code == 0, after
     return await verify(sample_of(row), sandbox=box), null
 
 
@@ -77,7 +149,8 @@ SAMPLE = [SPLITS["test"][0], SPLITS["test"][1], *SPLITS["train"][:4]]
 @pytest.mark.parametrize("row", SAMPLE, ids=[r["metadata"]["task_id"] for r in SAMPLE])
 async def test_oracle_scores_one_and_null_zero_on_a_sample(host_sandboxes, row):
     oracle, null = await oracle_and_null(host_sandboxes, row)
-    assert oracle == {"resolved": 1.0, "pass_frac": 1.0, "fail_to_pass": 1.0}, (row["metadata"]["task_id"], oracle)
+    assert oracle == {"resolved": 1.0, "pass_frac": 1.0, "fail_to_pass": 1.0, "format": 1.0}, \
+        (row["metadata"]["task_id"], oracle)
     assert null["resolved"] == 0.0 and null["fail_to_pass"] == 0.0 and 0.0 < null["pass_frac"] < 1.0, null
 
 

@@ -25,7 +25,14 @@ Design decisions:
   fatal.
 - `view` and `edit` read and write through the sandbox's download/upload, not the shell: no
   quoting, no heredocs, the same on every backend.
-- The result: `metrics` (turns, tool_calls, tool_errors, tool_s, chat_s, tokens, edits),
+- `search` lists its hits sorted by path, then line (grep -r walks directories in no fixed
+  order): the oracle's transcripts (`scripted.search_lines`) are what the harness answers.
+- A reply whose tool call does not parse is the model's mistake, not a failure: the tool agent
+  answers it (`PARSE_ERROR`), the episode goes on, and `parse_errors` (in the result, so the
+  verifier reads it as `metadata["agent"]["parse_errors"]`) counts them: the verifier's `format`
+  component.
+- The result: `metrics` (turns, tool_calls, tool_errors, parse_errors, tool_s, chat_s, tokens,
+  edits),
   `stop` (submitted, no_tool_call or the limit), `patch` (a unified diff of the repository's
   files against the task's, SWE-bench's model patch; only where a tool call made the sandbox),
   `status: "truncated"` on a limit. No reward: the verifier scores the sandbox.
@@ -39,8 +46,8 @@ import json
 import shlex
 from typing import Any
 
-from miles.envs.tool_agent import (DEFAULT_LIMITS, MAX_TOOL_OUTPUT_CHARS, TOOLS as BASE_TOOLS, ToolRunner,
-                                   _cap, react)
+from miles.envs.tool_agent import (DEFAULT_LIMITS, MAX_TOOL_OUTPUT_CHARS, PARSE_ERROR, TOOLS as BASE_TOOLS,
+                                   ToolRunner, _cap, react)
 
 DEFAULT_TURN_TOKENS = 256
 CONTEXT_LINES = 2
@@ -183,7 +190,11 @@ class SWERunner:
             return "no matches"
         if not r.ok:
             raise ToolArgumentError(f"search: grep exited {r.exit_code}: {r.stderr.strip()[:200]}")
-        return r.stdout
+        # by path, then line: grep -r walks directories in no fixed order, and a transcript
+        # (scripted.search_lines) must be what the harness answers
+        hits = [line.split(":", 2) for line in r.stdout.splitlines()]
+        keyed = sorted((h[0], int(h[1]) if len(h) == 3 and h[1].isdigit() else 0, ":".join(h)) for h in hits)
+        return "".join(line + "\n" for _, _, line in keyed)
 
     async def _submit(self) -> str:
         self.submitted = True
@@ -208,8 +219,14 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
     limits = {**DEFAULT_LIMITS, **(task.get("limits") or {})}
     runner = SWERunner(task.get("sandbox"), float(limits["tool_timeout_s"]),
                        int(task.get("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS)))
-    out = await react(base_url, task, runner, tool_specs(), finished=lambda: runner.submitted,
-                      turn_tokens=DEFAULT_TURN_TOKENS)
+    out = await react(base_url, {**task, "keep_transcript": True}, runner, tool_specs(),
+                      finished=lambda: runner.submitted, turn_tokens=DEFAULT_TURN_TOKENS)
+    messages = out.pop("messages")
+    if task.get("keep_transcript"):
+        out["messages"] = messages
+    # the tool agent answers a reply whose <tool_call> did not parse with PARSE_ERROR as a user turn
+    out["parse_errors"] = sum(m.get("role") == "user" and m.get("content") == PARSE_ERROR for m in messages)
+    out["metrics"]["parse_errors"] = float(out["parse_errors"])
     out["metrics"]["edits"] = float(runner.edits)
     sandbox = task.get("sandbox")
     if sandbox is not None and getattr(sandbox, "created", True) and task.get("files"):

@@ -12,23 +12,35 @@ As `rollout.agent`s (`oracle_agent`, `null_agent`) they make one model call firs
 so the session has a turn to collect: an episode without one is `aborted` and never verified),
 then play their script; a recipe or an eval run with them must score 1.0 / 0.0 per episode.
 
-`transcript(row)` is the oracle's episode as OpenAI messages (view, edit, submit; the tool results
-computed from the task's files by the harness's own `view_lines`/`edit_lines`), and `sft_rows`
-renders them into the warm-start's prompt/label rows, tools included, exactly as the session
-server renders the RL prompts.
+`transcript(row)` is the oracle's episode as OpenAI messages (search, view, edit, submit; the tool
+results computed from the task's files by the harness's own `view_lines`/`edit_lines` and
+`search_lines`), and `sft_rows` renders them into the warm-start's prompt/label rows, tools
+included, exactly as the session server renders the RL prompts.
+
+Design decisions:
+- The oracle knows only what an agent can: every argument of its calls is in the issue or in an
+  earlier tool result of the episode (the function's name from the issue, the path from the
+  search hit, the line numbers from the view, the new text from the view's line and the issue's
+  words). It never reads `metadata["fix"]` for a path or a line number it has not been shown;
+  `tests/agentic/test_swe_tasks.py` checks this over every transcript of the task set.
+- Some transcripts recover from a malformed call: the first call does not parse, the harness
+  answers with the tool agent's `PARSE_ERROR`, the oracle makes the call again. The malformed turn
+  is in the prompt of the next rows, never a label: SFT shows what rollout shows after a mistake.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
 import aiohttp
 
 from miles.agentic.swe.harness import SWERunner, edit_lines, tool_specs, view_lines
-from miles.envs.tool_agent import DEFAULT_LIMITS, _chat, _first_messages
+from miles.envs.tool_agent import DEFAULT_LIMITS, PARSE_ERROR, _chat, _first_messages
 
+RECOVERY_EVERY = 4
 Action = tuple[str, dict[str, Any]]
 
 
@@ -36,14 +48,36 @@ class ScriptError(RuntimeError):
     """A scripted step failed where it must not (the oracle's fix did not apply, its tests failed)."""
 
 
+def search_lines(files: dict[str, str], pattern: str, path: str = ".") -> str:
+    """What `search` answers on a repository holding `files` (grep -rnE, hits sorted by path and
+    line), for the transcripts: the oracle's episode is computed, not recorded."""
+    rx, under = re.compile(pattern), path.removeprefix(".").removeprefix("/")
+    hits = [(f"./{p}", i, line) for p, text in files.items() if p.startswith(under)
+            for i, line in enumerate(text.splitlines(), 1) if rx.search(line)]
+    return "".join(f"{p}:{i}:{line}\n" for p, i, line in sorted(hits)) or "no matches"
+
+
+def episode(meta: dict[str, Any]) -> list[tuple[str, dict[str, Any], str | None]]:
+    """The oracle's steps, (tool, arguments, result), each argument taken from the issue or an
+    earlier result: search the function the issue names, view the whole file of the first hit,
+    edit the lines that view numbered, submit. Raises `ScriptError` when the task does not allow
+    it (the first hit is not the definition)."""
+    fn, files, fix = meta["fn"], meta["files"], meta["fix"]
+    found = search_lines(files, fn)
+    first = found.splitlines()[0]
+    path = first.split(":", 1)[0].removeprefix("./")
+    if path != fix["path"] or f"def {fn}(" not in first:
+        raise ScriptError(f"{meta['task_id']}: the first hit of {fn!r} is {first!r}, not its definition")
+    lines = files[path].splitlines(keepends=True)
+    _, edited = edit_lines(lines, path, fix["start"], fix["end"], fix["text"])
+    return [("search", {"pattern": fn}, found), ("view", {"path": path}, view_lines(lines, path)),
+            ("edit", {"path": path, "start": fix["start"], "end": fix["end"], "text": fix["text"]}, edited),
+            ("submit", {}, None)]
+
+
 def oracle_actions(meta: dict[str, Any]) -> list[Action]:
-    """Look at the lines, replace them with the fix, run the visible tests, submit."""
-    fix = meta["fix"]
-    return [("search", {"pattern": "def ", "path": fix["path"]}),
-            ("view", {"path": fix["path"], "start": fix["start"], "end": fix["end"]}),
-            ("edit", {"path": fix["path"], "start": fix["start"], "end": fix["end"], "text": fix["text"]}),
-            ("bash", {"command": meta["test_command"]}),
-            ("submit", {})]
+    """The calls of the oracle's episode (`episode`): search, view, edit, submit."""
+    return [(name, args) for name, args, _ in episode(meta)]
 
 
 def null_actions(meta: dict[str, Any]) -> list[Action]:
@@ -88,15 +122,22 @@ async def null_agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
     return await _scripted(base_url, task, null_actions(task))
 
 
-def transcript(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The oracle's episode of a task as OpenAI messages: view the lines, edit them, submit."""
-    fix = row["metadata"]["fix"]
-    lines = row["metadata"]["files"][fix["path"]].splitlines(keepends=True)
-    span = {"path": fix["path"], "start": fix["start"], "end": fix["end"]}
-    _, edited = edit_lines(lines, fix["path"], fix["start"], fix["end"], fix["text"])
-    steps = [("view", span, view_lines(lines, fix["path"], fix["start"], fix["end"])),
-             ("edit", {**span, "text": fix["text"]}, edited), ("submit", {}, None)]
+def malformed(name: str, args: dict[str, Any]) -> str:
+    """A tool call that does not parse (its JSON lacks the closing brace): the recovery
+    transcripts' first turn, answered by the harness with `PARSE_ERROR`."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}\n</tool_call>'
+
+
+def transcript(row: dict[str, Any], recover: bool = False) -> list[dict[str, Any]]:
+    """The oracle's episode of a task as OpenAI messages (`episode`). `recover`: the first call
+    is malformed (`malformed`), the harness answers `PARSE_ERROR` as it does at rollout, and the
+    oracle then makes the right call."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
+    steps = episode(row["metadata"])
+    if recover:
+        name, args, _ = steps[0]
+        messages += [{"role": "assistant", "content": malformed(name, args)},
+                     {"role": "user", "content": PARSE_ERROR}]
     for i, (name, args, result) in enumerate(steps):
         messages.append({"role": "assistant", "content": None, "tool_calls": [{
             "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]})
@@ -106,18 +147,21 @@ def transcript(row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def sft_rows(rows: list[dict[str, Any]], family: str = "qwen3") -> list[dict[str, Any]]:
-    """One prompt/label row per assistant turn of each task's oracle transcript."""
+    """One prompt/label row per well-formed assistant turn of each task's oracle transcript; every
+    `RECOVERY_EVERY`-th task also gives its recovery transcript (`transcript(recover=True)`)."""
     from miles.tito.families import get_family
     from miles.tito.messages import parse_openai_messages, parse_openai_tools
 
     fam = get_family(family)
     tools = parse_openai_tools(tool_specs())
     out = []
-    for row in rows:
-        messages = parse_openai_messages(transcript(row))
-        for k, m in enumerate(messages):
-            if m.role == "assistant":
-                label = fam.generation_text(m)
-                out.append({"prompt": fam.render(messages[:k], tools, 0, True),
-                            "label": label[: -len(fam.end_of_turn)]})
+    for i, row in enumerate(rows):
+        variants = [False, True] if i % RECOVERY_EVERY == 0 else [False]
+        for recover in variants:
+            messages = parse_openai_messages(transcript(row, recover))
+            for k, m in enumerate(messages):
+                if m.role == "assistant" and m.tool_calls:   # never train the malformed call
+                    label = fam.generation_text(m)
+                    out.append({"prompt": fam.render(messages[:k], tools, 0, True),
+                                "label": label[: -len(fam.end_of_turn)]})
     return out

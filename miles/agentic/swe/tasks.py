@@ -10,6 +10,9 @@ A row is one task instance:
               files         {path: text}: the repository, written into the episode's sandbox
               hidden_tests  {path: text}: the verifier's tests, uploaded after the agent is done
               fail_to_pass, pass_to_pass   the hidden tests' ids, as SWE-bench lists them
+              difficulty, fn, hint, constants   the spec's grade, the function, the easy
+                            bug's (wrong, right), the drawn constants
+              eval_groups   [difficulty, template]: the evaluator's per-group pass@1
               fix           {"path", "start", "end", "text"}: the fix as one line-range edit (1-based,
                             inclusive), what the oracle sends through the harness's `edit` tool
               test_command  how the visible tests run
@@ -27,10 +30,12 @@ Design decisions:
 - Hidden tests = FAIL_TO_PASS (the issue's call and one the issue does not show, so a fix that
   special-cases the issue's input does not pass) + PASS_TO_PASS (every other function of the
   repository: a fix that breaks something else does not pass).
-- Variety: 13 templates x their bug kinds, each with its own names and constants, in packages
-  and modules of varied names with other templates' functions as neighbours, and several wordings
-  of the issue (some name the module, some only the function). The test split's tasks are other
-  instantiations: the model cannot have seen their names, numbers or repository.
+- Variety: 13 bug specs (`miles.agentic.swe.bugs.SPECS`, easy / medium / hard) with their own
+  names and constants, in packages and modules of varied names with other specs' functions as
+  neighbours, and several wordings of the issue (some name the module, some only the function;
+  an easy bug's issue also quotes the wrong token and the right one). The test split draws the
+  other half of every name, constant and package pool: no held-out function name or constant is
+  in a train task.
 - A task is small: the verifier is one `python3` process running ~6-10 asserts (~50 ms).
 """
 
@@ -40,13 +45,14 @@ import difflib
 import random
 from typing import Any
 
-from miles.agentic.swe.bugs import TEMPLATES, Bug
+from miles.agentic.swe.bugs import SPECS, Bug, _half, instantiate
 
 N_TASKS = 64
 TEST_COMMAND = "python3 run_tests.py"
 HIDDEN_DIR = ".verifier"     # where the verifier puts its tests and runner (after the agent is done)
-PACKAGES = ["inventory", "ledger", "payroll", "shipping", "catalog", "scheduler", "billing", "metrics",
-            "roster", "warehouse", "gradebook", "recipes", "library", "tickets", "garden", "fleet"]
+# Every package sorts before "tests": `search` lists its hits by path, the source's first.
+PACKAGES = ("inventory", "ledger", "payroll", "shipping", "catalog", "scheduler", "billing", "metrics",
+            "roster", "orders", "gradebook", "recipes", "library", "pantry", "garden", "fleet")
 MODULES = ["core", "utils", "helpers", "ops", "calc", "text", "tables", "rules", "numbers", "records"]
 
 RUNNER = '''"""Run the test_* functions of tests/test_*.py (or of the files and directories given), no pytest.
@@ -153,6 +159,10 @@ def _issue(rng: random.Random, bug: Bug, where: str, test_id: str) -> str:
         f"`{call}` {seen}; it should return `{want!r}`. As far as I can tell {bug.summary}.",
         f"Calling `{call}` {seen}. The expected value is `{want!r}` ({bug.summary}).",
     ])
+    if bug.hint is not None:   # easy: the issue names the fix's token exactly
+        wrong, right = bug.hint
+        body += " " + rng.choice([f"The code says `{wrong}`; it should be `{right}`.",
+                                  f"I think `{wrong}` should be `{right}` there."])
     return f"{title}\n\n{body}\n\nThe failing test is `{test_id}`."
 
 
@@ -168,8 +178,9 @@ def _fix(bad: str, good: str, path: str) -> dict[str, Any]:
     return {"path": path, "start": i1 + 1, "end": i2, "text": "".join(b[j1:j2])}
 
 
-def make_task(rng: random.Random, bug: Bug, neighbours: list[Bug], task_id: str) -> dict[str, Any]:
-    pkg, (mod, mod2) = rng.choice(PACKAGES), rng.sample(MODULES, 2)
+def make_task(rng: random.Random, bug: Bug, neighbours: list[Bug], task_id: str,
+              split: str = "train") -> dict[str, Any]:
+    pkg, (mod, mod2) = rng.choice(_half(PACKAGES, split)), rng.sample(MODULES, 2)
     first, rest = neighbours[0], neighbours[1:]
     header = '"""{} of the {} package."""\n\n\n'
     path, path2 = f"{pkg}/{mod}.py", f"{pkg}/{mod2}.py"
@@ -207,36 +218,40 @@ def make_task(rng: random.Random, bug: Bug, neighbours: list[Bug], task_id: str)
               f"(not in the tests). `{TEST_COMMAND}` runs the tests. Call submit when you are done.")
     hidden_ids = [f"{HIDDEN_DIR}/test_hidden.py::{name}" for name, _, _ in f2p + p2p]
     return {"prompt": prompt, "label": patch, "metadata": {
-        "task_id": task_id, "template": bug.template, "bug_kind": bug.kind, "files": files,
+        "task_id": task_id, "template": bug.template, "bug_kind": bug.kind, "difficulty": bug.difficulty,
+        "fn": bug.fn, "hint": list(bug.hint) if bug.hint else None, "constants": bug.constants,
+        "eval_groups": [bug.difficulty, bug.template], "files": files,
         "hidden_tests": {"test_hidden.py": hidden}, "fail_to_pass": hidden_ids[:len(f2p)],
         "pass_to_pass": hidden_ids[len(f2p):], "fix": fix, "test_command": TEST_COMMAND}}
 
 
-def generate(seed: int = 0, n: int = N_TASKS) -> list[dict[str, Any]]:
-    """`n` tasks; the templates take turns (in an order from the seed), so each appears n/13 times."""
+def generate(seed: int = 0, n: int = N_TASKS, split: str = "train") -> list[dict[str, Any]]:
+    """`n` tasks of `split` (its half of every name and constant pool); the specs take turns
+    (in an order from the seed), so each appears about n/len(SPECS) times."""
     if n < 1:
         raise ValueError(f"n: expected at least 1 task, got {n}")
-    rng = random.Random(seed)
-    order = list(TEMPLATES)
+    rng = random.Random(f"{seed}-{split}")
+    order = list(SPECS)
     rng.shuffle(order)
     rows = []
     for i in range(n):
-        template = order[i % len(order)]
-        others = rng.sample([t for t in TEMPLATES if t is not template], rng.randrange(2, 4))
-        bug = template(rng)
-        rows.append(make_task(rng, bug, [t(rng) for t in others], f"swe-{seed}-{i:03d}-{bug.template}"))
+        spec = order[i % len(order)]
+        others = rng.sample([t for t in SPECS if t is not spec], rng.randrange(2, 4))
+        bug = instantiate(spec, rng, split)
+        neighbours = [instantiate(t, rng, split) for t in others]
+        rows.append(make_task(rng, bug, neighbours, f"swe-{seed}-{split}-{i:03d}-{bug.template}", split))
     return rows
 
 
 def tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS) -> dict[str, list[dict[str, Any]]]:
-    """The `data.task` entry point: a seeded shuffle, the first `test_frac` of it held out; "sft" is
-    the oracle's transcripts of the train tasks (`miles.agentic.swe.scripted.sft_rows`)."""
+    """The `data.task` entry point: train and held-out tasks from disjoint halves of the name and
+    constant pools; "sft" is the oracle's transcripts of the train tasks
+    (`miles.agentic.swe.scripted.sft_rows`), a recovery from a malformed call among them."""
     if not 0.0 < test_frac < 1.0:
         raise ValueError(f"test_frac: expected a fraction in (0, 1), got {test_frac}")
     from miles.agentic.swe.scripted import sft_rows
-    rows = generate(seed, n)
-    random.Random(seed + 1).shuffle(rows)
-    n_test = max(1, int(len(rows) * test_frac))
-    sft = sft_rows(rows[n_test:])
+    n_test = max(1, int(n * test_frac))
+    train, test = generate(seed, n - n_test, "train"), generate(seed, n_test, "test")
+    sft = sft_rows(train)
     random.Random(seed + 2).shuffle(sft)   # the SFT source is read in file order
-    return {"train": rows[n_test:], "test": rows[:n_test], "sft": sft}
+    return {"train": train, "test": test, "sft": sft}

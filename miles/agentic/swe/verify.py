@@ -7,7 +7,10 @@
 
 `verify(sample, sandbox)` returns {"resolved": 1.0 when every hidden test passed else 0.0,
 "pass_frac": the fraction that passed, "fail_to_pass": the fraction of the FAIL_TO_PASS tests that
-passed}: SWE-bench's RESOLVED_FULL as the trained reward, the partial credit as figures to watch.
+passed, "format": 0.0 when a tool call of the episode did not parse, else 1.0}: SWE-bench's
+RESOLVED_FULL as the trained reward, the partial credit and the format as figures to watch. An
+unparseable call is the model's mistake: the sample is scored (0 unless it recovered and fixed the
+bug) and trained on, never `failed`.
 
 Design decisions:
 - The hidden tests and the verifier's own copy of the runner go into a freshly wiped
@@ -93,9 +96,13 @@ async def run_hidden_tests(sandbox: Any, meta: dict[str, Any],
 
 
 async def verify(sample: Any, sandbox: Any = None) -> dict[str, float]:
-    """`rollout.reward`: the hidden tests of the sample's task, in the episode's sandbox."""
+    """`rollout.reward`: the hidden tests of the sample's task, in the episode's sandbox, and
+    `format` (1.0 when every tool call of the episode parsed)."""
     meta = _metadata(sample)
     if sandbox is None:
         raise ValueError("swe verify runs the hidden tests in the episode's sandbox: set [sandbox] "
                          "backend (e.g. \"subprocess\")")
-    return await run_hidden_tests(sandbox, meta)
+    reward = await run_hidden_tests(sandbox, meta)
+    agent = meta.get("agent") if isinstance(meta.get("agent"), dict) else {}
+    reward["format"] = 0.0 if agent.get("parse_errors") else 1.0
+    return reward
