@@ -8,8 +8,9 @@ Design decisions:
   (the sync step waits for its longest sample; fully-async hides it until admission stops it) is
   in the interplay of sampled lengths, continuous batching and the buffer's admission rules,
   which a formula gets wrong at the edges. The rules are the real ones: admission rules A and B
-  of `miles/actors/buffer.py`, batches taken in slot order, the staleness of a group counted from
-  the version its first token was generated with, publishes pausing every engine.
+  are the buffer's own function (`miles/actors/admission.py:admits`), batches taken in slot
+  order, the staleness of a group counted from the version its first token was generated with,
+  publishes pausing every engine.
 - An engine is continuous batching: every running sequence gets one token per decode step, and
   a step costs `decode_fixed_s + decode_per_seq_s x running + decode_per_ctx_token_s x context`
   (the fixed part is the weights read or, for small models, the host's launch cost; context is
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from miles.actors.admission import admits
 from miles.plan_inputs import Inputs, Lengths, PlanError, figure_fields, model_sizes, override_inputs
 
 
@@ -146,209 +148,259 @@ class Result:
     step_times: list[float] = field(repr=False, default_factory=list)
 
 
+class _Window:
+    """The simulated slot table, as much of it as admission reads (`admits`, the buffer's rule)."""
+
+    def __init__(self, groups_per_step: int, max_staleness: int):
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self.next_slot = self.handed_back = 0
+        self.back_slots: list[int] = []             # sorted
+        self.holding: list[int] = []                # heap of generating slots (lazy)
+        self.generating: set[int] = set()
+
+    def open(self) -> int:
+        slot = self.next_slot
+        self.generating.add(slot)
+        heapq.heappush(self.holding, slot)
+        self.next_slot += 1
+        return slot
+
+    def done(self, slot: int) -> None:
+        """Its group finished generating: it no longer holds the window (rule B)."""
+        self.generating.discard(slot)
+
+    def hand_back(self, slot: int) -> None:
+        self.handed_back += 1
+        bisect.insort(self.back_slots, slot)
+
+    def admits(self, versions_published: int) -> bool:
+        while self.holding and self.holding[0] not in self.generating:
+            heapq.heappop(self.holding)
+        oldest = self.holding[0] if self.holding else None
+        back_after = 0 if oldest is None else \
+            len(self.back_slots) - bisect.bisect_right(self.back_slots, oldest)
+        return admits(admitted=self.next_slot, handed_back=self.handed_back,
+                      versions_published=versions_published,
+                      groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
+                      oldest_holding=oldest, back_after_oldest=back_after)
+
+
+class _LoopSim:
+    """One simulated run of the loop: an event queue and one `on_<event>` method per event
+    (engine: a sequence may have finished; group: a group is complete; trained: the trainer's
+    step ended, the publish starts; published: the engines resume on the next version)."""
+
+    def __init__(self, dep: Deployment, inp: Inputs, seed: int):
+        self.dep, self.inp = dep, inp
+        self.rng = np.random.default_rng(seed)
+        self.G = dep.groups_per_step
+        self.engines = [_Engine(inp.decode_fixed_s.value, inp.decode_per_seq_s.value,
+                                inp.decode_per_ctx_token_s.value, inp.prompt_tokens.value)
+                        for _ in range(dep.num_engines)]
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = 0
+        self.version = 0
+        self.window = _Window(dep.groups_per_step, dep.max_staleness)
+        self.groups: dict[int, _Group] = {}
+        self.sample_group: dict[int, int] = {}
+        self.waiting: list[tuple[int, int]] = []    # (sample id, length) FIFO for the semaphore
+        self.wait_pos = 0
+        self.queue: list[int] = []                  # queued slots (heap)
+        self.waiting_room: list[int] = []           # groups done, buffer full
+        self.inflight = 0
+        self.next_sample = 0
+        self.trainer_state, self.trainer_since, self.trainer_idle = "wait", 0.0, 0.0
+        self.step_ends: list[float] = []
+        self.idle_at_step: list[float] = []
+        self.staleness: list[int] = []
+        self.gen_tokens = self.stale = 0
+        self.stall_s = inp.publish_fixed_s.value + inp.publish_s_per_gb.value * inp.weight_gb.value
+
+    # ---- the event queue ------------------------------------------------------------------
+
+    def push(self, t: float, kind: str, payload: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    def schedule(self, i: int) -> None:
+        e = self.engines[i]
+        e.epoch += 1
+        t = e.next_time()
+        if t < math.inf:
+            self.push(t, "engine", (i, e.epoch))
+
+    def run(self, steps: int) -> float:
+        """Events until `steps` training steps have ended; returns the clock."""
+        handlers = {"engine": self.on_engine, "group": self.on_group,
+                    "trained": self.on_trained, "published": self.on_published}
+        self.admit(0.0)
+        now = 0.0
+        while len(self.step_ends) < steps:
+            if not self.events:
+                raise PlanError(f"the simulated loop stalled at step {len(self.step_ends) + 1} "
+                                f"(mode {self.dep.mode}, groups_per_step {self.G}, buffer capacity "
+                                f"{self.dep.capacity_groups}): nothing can run")
+            now, _, kind, payload = heapq.heappop(self.events)
+            handlers[kind](now, payload)
+        return now
+
+    # ---- admission, dispatch, training ----------------------------------------------------
+
+    def admit(self, now: float) -> None:
+        dep = self.dep
+        while self.window.admits(self.version):
+            lengths = dep.lengths.sample(self.rng, dep.n_samples)
+            slot = self.window.open()
+            self.groups[slot] = _Group(slot, lengths, dep.n_samples)
+            for L in lengths:
+                self.waiting.append((self.next_sample, int(L)))
+                self.sample_group[self.next_sample] = slot
+                self.next_sample += 1
+        self.dispatch(now)
+
+    def dispatch(self, now: float) -> None:
+        dep, engines = self.dep, self.engines
+        while self.wait_pos < len(self.waiting) and self.inflight < dep.max_inflight_samples:
+            i = min(range(len(engines)), key=lambda k: len(engines[k].targets))
+            e = engines[i]
+            if len(e.targets) >= dep.max_running:
+                break
+            sid, L = self.waiting[self.wait_pos]
+            self.wait_pos += 1
+            self.inflight += 1
+            g = self.groups[self.sample_group[sid]]
+            if g.version < 0:
+                g.version = self.version
+            e.advance(now)
+            e.stall += self.inp.prefill_s.value
+            e.start(sid, L)
+            self.schedule(i)
+        if self.wait_pos > 4096:                    # keep the FIFO small
+            del self.waiting[:self.wait_pos]
+            self.wait_pos = 0
+
+    def set_engine_slowdown(self, now: float, factor: float) -> None:
+        for i, e in enumerate(self.engines):
+            e.advance(now)
+            e.slowdown = factor
+            self.schedule(i)
+
+    def try_train(self, now: float) -> None:
+        G, S, inp = self.G, self.dep.max_staleness, self.inp
+        if self.trainer_state != "wait" or len(self.queue) < G:
+            return
+        taken = []
+        while len(taken) < G and self.queue:
+            slot = heapq.heappop(self.queue)
+            lag = self.version - self.groups[slot].version
+            if lag > S + 1:                         # backstop (admission normally prevents it)
+                self.stale += 1
+                self.window.hand_back(slot)
+                continue
+            taken.append(slot)
+        if len(taken) < G:
+            for slot in taken:
+                heapq.heappush(self.queue, slot)
+            self.admit(now)
+            return
+        while self.waiting_room and len(self.queue) < self.dep.capacity_groups:
+            heapq.heappush(self.queue, self.waiting_room.pop(0))
+        tokens = 0
+        for slot in taken:
+            g = self.groups.pop(slot)
+            self.staleness.append(self.version - g.version)
+            tokens += g.tokens
+        self.trainer_idle += now - self.trainer_since
+        self.trainer_state = "train"
+        slow = inp.train_overlap_slowdown.value if any(e.targets for e in self.engines) else 1.0
+        train_s = (inp.train_fixed_s.value
+                   + tokens / (inp.train_tokens_per_s.value * self.dep.train_gpus)) * slow
+        if inp.engine_overlap_slowdown.value != 1.0:
+            self.set_engine_slowdown(now, inp.engine_overlap_slowdown.value)
+        self.push(now + train_s + inp.step_overhead_s.value, "trained")
+        self.admit(now)                             # slots taken out: rule B may open
+
+    # ---- one method per event -------------------------------------------------------------
+
+    def on_engine(self, now: float, payload) -> None:
+        i, epoch = payload
+        e = self.engines[i]
+        if epoch != e.epoch:
+            return
+        e.advance(now)
+        while e.targets and e.targets[0][0] <= e.progress + 1e-9:
+            sid = e.finish()
+            self.inflight -= 1
+            g = self.groups[self.sample_group.pop(sid)]
+            g.left -= 1
+            if g.left == 0:
+                self.push(now + self.inp.group_overhead_s.value, "group", g.slot)
+        self.schedule(i)
+        self.dispatch(now)
+
+    def on_group(self, now: float, slot: int) -> None:
+        g = self.groups[slot]
+        g.tokens = int(g.lengths.sum()) + self.dep.n_samples * int(self.inp.prompt_tokens.value)
+        self.gen_tokens += int(g.lengths.sum())
+        self.window.done(slot)
+        if self.rng.random() >= self.inp.keep_fraction.value:
+            self.window.hand_back(slot)
+            del self.groups[slot]
+        elif len(self.queue) < self.dep.capacity_groups:
+            heapq.heappush(self.queue, slot)
+        else:
+            self.waiting_room.append(slot)
+        self.admit(now)
+        self.try_train(now)
+
+    def on_trained(self, now: float, _payload) -> None:
+        if self.inp.engine_overlap_slowdown.value != 1.0:
+            self.set_engine_slowdown(now, 1.0)
+        for i, e in enumerate(self.engines):        # the publish: every engine pauses in place
+            e.advance(now)
+            e.paused = True
+            self.schedule(i)
+        self.push(now + self.stall_s, "published")
+
+    def on_published(self, now: float, _payload) -> None:
+        for i, e in enumerate(self.engines):
+            e.advance(now)
+            e.paused = False
+            self.schedule(i)
+        self.version += 1
+        self.step_ends.append(now)
+        self.idle_at_step.append(self.trainer_idle)
+        self.trainer_state, self.trainer_since = "wait", now
+        self.admit(now)
+        self.try_train(now)
+
+    def result(self, now: float, steps: int, warmup: int) -> Result:
+        engines, step_ends, idle_at_step = self.engines, self.step_ends, self.idle_at_step
+        span = step_ends[-1] - step_ends[warmup - 1]
+        n = len(engines)
+        # the engines' idle and paused time over the whole run (its start-up counted, as measured)
+        idle = sum(e.idle_s for e in engines) / n / max(now, 1e-12)
+        paused = sum(e.paused_s for e in engines) / n / max(now, 1e-12)
+        busy_s = sum(now - e.idle_s - e.paused_s for e in engines)
+        trainer_idle_s = idle_at_step[-1] - idle_at_step[warmup - 1]
+        return Result(step_s=span / (steps - warmup), trainer_idle_frac=min(1.0, trainer_idle_s / span),
+                      engine_idle_frac=idle, engine_paused_frac=paused,
+                      staleness_mean=float(np.mean(self.staleness)),
+                      staleness_max=int(max(self.staleness)),
+                      gen_tokens_per_s=self.gen_tokens / max(now, 1e-12), steps=steps,
+                      stale_groups=self.stale,
+                      decode_batch_mean=sum(e.batch_s for e in engines) / max(1e-12, busy_s),
+                      step_times=list(np.diff(step_ends)))
+
+
 def simulate(dep: Deployment, inp: Inputs, steps: int = 12, seed: int = 0, warmup: int = 1) -> Result:
     """Run the loop for `steps` training steps; figures over steps `warmup`..end (as
     bench/async_rl.py measures: from the end of step `warmup` to the end of the last)."""
     if steps <= warmup:
         raise PlanError(f"steps = {steps}: expected more than warmup = {warmup}")
-    rng = np.random.default_rng(seed)
-    G, S = dep.groups_per_step, dep.max_staleness
-    engines = [_Engine(inp.decode_fixed_s.value, inp.decode_per_seq_s.value,
-                       inp.decode_per_ctx_token_s.value, inp.prompt_tokens.value)
-               for _ in range(dep.num_engines)]
-    events: list[tuple[float, int, str, object]] = []
-    seq = [0]
-
-    def push(t: float, kind: str, payload: object = None) -> None:
-        seq[0] += 1
-        heapq.heappush(events, (t, seq[0], kind, payload))
-
-    def schedule(i: int) -> None:
-        e = engines[i]
-        e.epoch += 1
-        t = e.next_time()
-        if t < math.inf:
-            push(t, "engine", (i, e.epoch))
-
-    version, next_slot, handed_back = 0, 0, 0
-    back_slots: list[int] = []                      # sorted
-    holding: list[int] = []                         # heap of generating slots (lazy)
-    generating: set[int] = set()
-    groups: dict[int, _Group] = {}
-    sample_group: dict[int, int] = {}
-    waiting: list[tuple[int, int]] = []             # (sample id, length) FIFO for the semaphore
-    wait_pos = 0
-    queue: list[int] = []                           # queued slots (heap)
-    waiting_room: list[int] = []                    # groups done, buffer full
-    inflight = 0
-    next_sample = 0
-    trainer = {"state": "wait", "since": 0.0, "idle": 0.0}
-    step_ends: list[float] = []
-    idle_at_step: list[float] = []
-    staleness: list[int] = []
-    gen_tokens, stale = [0], [0]
-
-    def admissible() -> bool:
-        if next_slot - handed_back >= (version + 1 + S) * G:
-            return False                            # rule A
-        while holding and holding[0] not in generating:
-            heapq.heappop(holding)
-        if not holding:
-            return True
-        oldest = holding[0]
-        back_after = len(back_slots) - bisect.bisect_right(back_slots, oldest)
-        return next_slot - oldest - 1 - back_after < (S + 1) * G  # rule B
-
-    def admit(now: float) -> None:
-        nonlocal next_slot, next_sample
-        while admissible():
-            lengths = dep.lengths.sample(rng, dep.n_samples)
-            g = _Group(next_slot, lengths, dep.n_samples)
-            groups[next_slot] = g
-            generating.add(next_slot)
-            heapq.heappush(holding, next_slot)
-            for L in lengths:
-                waiting.append((next_sample, int(L)))
-                sample_group[next_sample] = next_slot
-                next_sample += 1
-            next_slot += 1
-        dispatch(now)
-
-    def dispatch(now: float) -> None:
-        nonlocal inflight, wait_pos
-        while wait_pos < len(waiting) and inflight < dep.max_inflight_samples:
-            i = min(range(len(engines)), key=lambda k: len(engines[k].targets))
-            e = engines[i]
-            if len(e.targets) >= dep.max_running:
-                break
-            sid, L = waiting[wait_pos]
-            wait_pos += 1
-            inflight += 1
-            g = groups[sample_group[sid]]
-            if g.version < 0:
-                g.version = version
-            e.advance(now)
-            e.stall += inp.prefill_s.value
-            e.start(sid, L)
-            schedule(i)
-        if wait_pos > 4096:                         # keep the FIFO small
-            del waiting[:wait_pos]
-            wait_pos = 0
-
-    def set_engine_slowdown(now: float, factor: float) -> None:
-        for i, e in enumerate(engines):
-            e.advance(now)
-            e.slowdown = factor
-            schedule(i)
-
-    def engines_busy() -> bool:
-        return any(e.targets for e in engines)
-
-    def try_train(now: float) -> None:
-        nonlocal handed_back
-        if trainer["state"] != "wait" or len(queue) < G:
-            return
-        taken = []
-        while len(taken) < G and queue:
-            slot = heapq.heappop(queue)
-            lag = version - groups[slot].version
-            if lag > S + 1:                         # backstop (admission normally prevents it)
-                stale[0] += 1
-                handed_back += 1
-                bisect.insort(back_slots, slot)
-                continue
-            taken.append(slot)
-        if len(taken) < G:
-            for slot in taken:
-                heapq.heappush(queue, slot)
-            admit(now)
-            return
-        while waiting_room and len(queue) < dep.capacity_groups:
-            heapq.heappush(queue, waiting_room.pop(0))
-        tokens = 0
-        for slot in taken:
-            g = groups.pop(slot)
-            staleness.append(version - g.version)
-            tokens += g.tokens
-        trainer["idle"] += now - trainer["since"]
-        trainer["state"] = "train"
-        slow = inp.train_overlap_slowdown.value if engines_busy() else 1.0
-        train_s = (inp.train_fixed_s.value + tokens / (inp.train_tokens_per_s.value * dep.train_gpus)) * slow
-        if inp.engine_overlap_slowdown.value != 1.0:
-            set_engine_slowdown(now, inp.engine_overlap_slowdown.value)
-        push(now + train_s + inp.step_overhead_s.value, "trained")
-        admit(now)                                  # slots taken out: rule B may open
-
-    stall_s = inp.publish_fixed_s.value + inp.publish_s_per_gb.value * inp.weight_gb.value
-    admit(0.0)
-    now = 0.0
-    while len(step_ends) < steps:
-        if not events:
-            raise PlanError(f"the simulated loop stalled at step {len(step_ends) + 1} (mode {dep.mode}, "
-                            f"groups_per_step {G}, buffer capacity {dep.capacity_groups}): nothing can run")
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "engine":
-            i, epoch = payload
-            e = engines[i]
-            if epoch != e.epoch:
-                continue
-            e.advance(now)
-            while e.targets and e.targets[0][0] <= e.progress + 1e-9:
-                sid = e.finish()
-                inflight -= 1
-                g = groups[sample_group.pop(sid)]
-                g.left -= 1
-                if g.left == 0:
-                    push(now + inp.group_overhead_s.value, "group", g.slot)
-            schedule(i)
-            dispatch(now)
-        elif kind == "group":
-            g = groups[payload]
-            g.tokens = int(g.lengths.sum()) + dep.n_samples * int(inp.prompt_tokens.value)
-            gen_tokens[0] += int(g.lengths.sum())
-            generating.discard(g.slot)
-            if rng.random() >= inp.keep_fraction.value:
-                handed_back += 1
-                bisect.insort(back_slots, g.slot)
-                del groups[g.slot]
-            elif len(queue) < dep.capacity_groups:
-                heapq.heappush(queue, g.slot)
-            else:
-                waiting_room.append(g.slot)
-            admit(now)
-            try_train(now)
-        elif kind == "trained":
-            if inp.engine_overlap_slowdown.value != 1.0:
-                set_engine_slowdown(now, 1.0)
-            for i, e in enumerate(engines):         # the publish: every engine pauses in place
-                e.advance(now)
-                e.paused = True
-                schedule(i)
-            push(now + stall_s, "published")
-        elif kind == "published":
-            for i, e in enumerate(engines):
-                e.advance(now)
-                e.paused = False
-                schedule(i)
-            version += 1
-            step_ends.append(now)
-            idle_at_step.append(trainer["idle"])
-            trainer.update(state="wait", since=now)
-            admit(now)
-            try_train(now)
-    span = step_ends[-1] - step_ends[warmup - 1]
-    n = len(engines)
-    # the engines' idle and paused time over the whole run (its start-up counted, as measured)
-    idle = sum(e.idle_s for e in engines) / n / max(now, 1e-12)
-    paused = sum(e.paused_s for e in engines) / n / max(now, 1e-12)
-    return Result(step_s=span / (steps - warmup),
-                  trainer_idle_frac=min(1.0, (idle_at_step[-1] - idle_at_step[warmup - 1]) / span),
-                  engine_idle_frac=idle, engine_paused_frac=paused,
-                  staleness_mean=float(np.mean(staleness)), staleness_max=int(max(staleness)),
-                  gen_tokens_per_s=gen_tokens[0] / max(now, 1e-12), steps=steps, stale_groups=stale[0],
-                  decode_batch_mean=sum(e.batch_s for e in engines) / max(1e-12, sum(now - e.idle_s - e.paused_s
-                                                                                      for e in engines)),
-                  step_times=list(np.diff(step_ends)))
+    sim = _LoopSim(dep, inp, seed)
+    now = sim.run(steps)
+    return sim.result(now, steps, warmup)
 
 
 # ----- from a recipe -------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ Design decisions:
 - Capacity is counted in queued groups. `PutGroup` waits while the buffer is full: backpressure
   on the rollout, never a drop. A group waiting for room no longer holds the window (rule B).
 - Staleness is controlled by admission; with G groups per step, slot `s` is due for training at
-  version `s // G`. Two rules on the table, both needed:
+  version `s // G`. Two rules on the table, both needed (written once, as a pure function:
+  `miles/actors/admission.py:admits`, which the capacity model `miles plan` runs too):
   (A) `slots admitted - slots handed back < (version + 1 + max_staleness) * G`: nothing starts
       that could only be trained more than `max_staleness` versions late (`max_staleness = 0` is
       exactly synchronous on-policy RL: the next batch starts only once the new weights are
@@ -70,6 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles.actors.admission import admits
 from miles.actors.base import Actor, ActorError
 from miles.wire.journal import Journal
 from miles.actors.slots import (HOLDING, STATES, JournalBatchOut, JournalBatchTrained,
@@ -333,19 +335,16 @@ class Buffer(Actor):
     # ----- admission ---------------------------------------------------------------------------
 
     def _admissible(self) -> bool:
-        window = (self.max_staleness + 1) * self.groups_per_step
-        trainable = self.next_slot - self.handed_back
+        """Rules A and B (miles/actors/admission.py) on the slot table."""
         steps_published = self.version - (self.base_version if self.base_version is not None
                                           else self.version)
-        if trainable >= (steps_published + 1 + self.max_staleness) * self.groups_per_step:
-            return False                                      # rule A
-        holding = [s for s, r in self.table.items()
-                   if r.state in HOLDING and s not in self.waiting_room]
-        if not holding:
-            return True
-        oldest = min(holding)
-        overtakers = self.next_slot - oldest - 1 - sum(1 for b in self.back_slots if b > oldest)
-        return overtakers < window                            # rule B
+        oldest = min((s for s, r in self.table.items()
+                      if r.state in HOLDING and s not in self.waiting_room), default=None)
+        return admits(admitted=self.next_slot, handed_back=self.handed_back,
+                      versions_published=steps_published, groups_per_step=self.groups_per_step,
+                      max_staleness=self.max_staleness, oldest_holding=oldest,
+                      back_after_oldest=0 if oldest is None else
+                      sum(1 for b in self.back_slots if b > oldest))
 
     def _reservation(self, slot: int, asked_prompt: int) -> Reservation:
         row = self.table[slot]
