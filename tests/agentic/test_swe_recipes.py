@@ -60,14 +60,17 @@ def test_swe_cpu_runs_three_rl_steps_with_the_verifiers_rewards(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3] and all("rollout/reward" in r for r in train)
     evals = {r["step"]: r for r in rows if r["kind"] == "eval"}
     assert sorted(evals) == [0, 3], sorted(evals)
-    for r in evals.values():   # 2 held-out tasks x 2 samples, pass@k from the verifier's "resolved"
-        assert r["eval/n"] == 2 and r["eval/k"] == 2 and 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0
+    for r in evals.values():   # 2 held-out tasks x 4 samples, pass@k from the verifier's "resolved"
+        assert r["eval/n"] == 2 and r["eval/k"] == 4 and 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0
+        groups = [k for k in r if k.endswith("/pass@1") and k.count("/") == 2]   # eval/<group>/pass@1
+        assert any(k.split("/")[1] in ("easy", "medium", "hard") for k in groups), sorted(r)
     samples = [s for rec in read_records(out / "wire" / "driver.mlw") if isinstance(rec.msg, Batch)
                for g in rec.msg.groups for s in g.samples]
     assert len(samples) >= 3 * 2 * 4, len(samples)
     for s in samples:   # the verifier ran the hidden tests on the episode's repository
-        assert set(s.reward) == {"resolved", "pass_frac", "fail_to_pass"}, (s.reward, s.metadata.get("error"))
-        assert s.metadata["task_id"].startswith("swe-0-") and s.metadata["hidden_tests"]
+        assert set(s.reward) == {"resolved", "pass_frac", "fail_to_pass", "format"}, \
+            (s.reward, s.metadata.get("error"))
+        assert s.metadata["task_id"].startswith("swe-0-train-") and s.metadata["hidden_tests"]
     # an untouched repository passes its PASS_TO_PASS tests: partial credit without "resolved"
     assert any(s.reward["pass_frac"] > 0 for s in samples)
     rollout = (out / "logs" / "rollout.log").read_text()
@@ -113,5 +116,5 @@ def test_swe_cpu_reports_pass_at_k_in_the_external_mode(tmp_path, mode):
              if r["kind"] == "eval"}
     assert sorted(evals) == [0, 1], evals
     for r in evals.values():
-        assert r["eval/n"] == 2 and r["eval/k"] == 2 and 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0, r
+        assert r["eval/n"] == 2 and r["eval/k"] == 4 and 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0, r
     assert (out / "eval" / "step_000001" / "config.json").is_file()   # the snapshot it scored
