@@ -64,11 +64,13 @@ class RunConfig(Base):
 
 
 class RestartPolicy(Base):
-    # restarts of a crashed actor before the job fails naming it
+    # restarts of a crashed actor within `window_s` before the job fails naming it
     max_restarts: Count = 3
-    backoff_s: NonNegative = 0.5      # first restart delay; doubles per restart
+    backoff_s: NonNegative = 0.5      # first restart delay; doubles per restart in the window
     # the restart delay's ceiling
     backoff_max_s: NonNegative = 10.0
+    # restarts longer ago than this no longer count against max_restarts (0: the whole run's do)
+    window_s: NonNegative = 600.0
 
 
 class ClusterConfig(Base):

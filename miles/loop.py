@@ -154,7 +154,8 @@ class LoopDriver(Actor):
         for ref in [*self.trainers, self.buffer, self.rollout]:
             await rt.lookup(ref.name, wait_s=r.engine.start_timeout_s)
         self.engines = rt.ref("engines")
-        engine_set = await self.engines.call(GetEngines(), timeout_s=r.engine.start_timeout_s)
+        engine_set = await self.engines.call(GetEngines(), timeout_s=r.engine.start_timeout_s,
+                                             retries=ACTOR_RETRIES)
         self.engine_generation = engine_set.generation
         self.run_id = uuid.uuid4().hex[:8]  # batch request ids are unique to this driver
         self.version = 0
@@ -254,7 +255,9 @@ class LoopDriver(Actor):
 
     async def sync_engines(self) -> None:
         try:
-            engine_set = await self.engines.call(GetEngines(), timeout_s=30.0)
+            # a restarted fleet (a new incarnation) answers once its engines are up
+            engine_set = await self.engines.call(
+                GetEngines(), timeout_s=self.recipe.engine.start_timeout_s, retries=ACTOR_RETRIES)
             if engine_set.generation == self.engine_generation:
                 return
             urls = [*engine_set.engine_urls, *engine_set.pending_urls]
@@ -264,7 +267,8 @@ class LoopDriver(Actor):
                   f"{self.version} to {urls}", flush=True)
             await self.on_all_trainers(PublishWeights(version=self.version, engine_urls=urls))
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
-                                                   version=self.version), timeout_s=60.0)
+                                                   version=self.version), timeout_s=60.0,
+                                    retries=ACTOR_RETRIES)
             self.engine_generation = engine_set.generation
         except (ActorDied, ActorTimeout, RemoteError, ConnectionError) as e:  # again next interval
             print(f"[driver] engine set sync failed, retrying: {type(e).__name__}: {e}", flush=True)
@@ -272,14 +276,17 @@ class LoopDriver(Actor):
     async def publish(self, version: int) -> dict[str, float]:
         """Every trainer rank publishes `version`; returns rank 0's `weights/...` metrics (stall
         time and its parts)."""
-        engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
+        def get_engines():  # retried across a fleet restart
+            return self.engines.call(GetEngines(), timeout_s=self.recipe.engine.start_timeout_s,
+                                     retries=ACTOR_RETRIES)
+        engine_set = await get_engines()
         deadline = time.monotonic() + self.recipe.engine.start_timeout_s
         while not (engine_set.engine_urls or engine_set.pending_urls):  # every engine restarting
             if time.monotonic() > deadline:
                 raise TimeoutError(f"publish of version {version}: no engine came back within "
                                    f"engine.start_timeout_s = {self.recipe.engine.start_timeout_s} s")
             await asyncio.sleep(self.recipe.engine.health_interval_s)
-            engine_set = await self.engines.call(GetEngines(), timeout_s=60.0)
+            engine_set = await get_engines()
         while True:
             try:
                 replies = await self.on_all_trainers(PublishWeights(
@@ -294,7 +301,7 @@ class LoopDriver(Actor):
                       f"the fleet to restart one", flush=True)
                 while True:
                     await asyncio.sleep(self.recipe.engine.health_interval_s)
-                    fresh = await self.engines.call(GetEngines(), timeout_s=60.0)
+                    fresh = await get_engines()
                     if fresh.generation != engine_set.generation and (fresh.engine_urls or fresh.pending_urls):
                         engine_set = fresh
                         break
@@ -302,7 +309,8 @@ class LoopDriver(Actor):
                         raise
         if engine_set.generation != self.engine_generation:
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
-                                                   version=version), timeout_s=60.0)
+                                                   version=version), timeout_s=60.0,
+                                    retries=ACTOR_RETRIES)
             self.engine_generation = engine_set.generation
         return dict(getattr(replies[0], "metrics", None) or {})
 

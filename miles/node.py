@@ -10,7 +10,7 @@ Design decisions:
   a child process of its node's daemon (`miles.actors.host`), so a crash, an OOM or a `kill -9`
   takes down one actor, never the daemon, and the actor can be restarted alone.
 - Supervision: a child that exits non-zero (or by signal) is restarted with exponential backoff
-  until `restart.max_restarts` is used up; each restart gets a new incarnation number so callers
+  until `restart.max_restarts` restarts within `restart.window_s` are used up; each restart gets a new incarnation number so callers
   of the old one fail fast and `retries` reach the new one. A child that is alive but silent (no
   heartbeat for `cluster.liveness_timeout_s`) is killed and restarted the same way; the log line
   names it, its incarnation, the seconds since its last heartbeat and its log's last lines.
@@ -68,7 +68,7 @@ import zmq
 from miles.actors.base import Actor, ActorError, Runtime, run_event_loop
 from miles.actors.registry import Registry
 from miles.config import ActorSpec, Recipe, recipe_to_json
-from miles.supervise import LogFollower, SupervisedProcess, read_log_tail
+from miles.supervise import LogFollower, RestartBudget, SupervisedProcess, read_log_tail
 from miles.wire import auth
 from miles.wire.messages import ListActors, Ok, Ping, Shutdown
 
@@ -150,6 +150,7 @@ class Child:
     proc: SupervisedProcess | None = None
     incarnation: int = 0
     restarts: int = 0
+    budget: RestartBudget | None = None  # restart.max_restarts per restart.window_s
     started_at: float = 0.0
     exit_code: int | None = None
     gave_up: bool = False
@@ -503,9 +504,10 @@ class NodeDaemon(Actor):
             return
         cause = await self._death_cause(child, code)
         # A signal after registration came from outside (an OOM killer, a chaos test, an
-        # operator): not the actor failing the same way on every start.
-        early = not child.registered or (
-            code > 0 and time.monotonic() - child.started_at < CRASH_LOOP_WINDOW_S)
+        # operator): not the actor failing the same way on every start. So is a SIGKILL before
+        # it (no code of ours sends one): a kill during a restart is not a crash loop.
+        early = code != -signal.SIGKILL and (not child.registered or (
+            code > 0 and time.monotonic() - child.started_at < CRASH_LOOP_WINDOW_S))
         signature = (code, _normalized(_last_error_line(child.log_tail())))
         policy = child.spec.restart
         if early and child.early_failure == signature:
@@ -513,13 +515,19 @@ class NodeDaemon(Actor):
                                        f"(a crash loop: not restarted)")
             return
         child.early_failure = signature if early else None
-        if child.restarts >= policy.max_restarts:
+        if child.budget is None:
+            child.budget = RestartBudget(policy.max_restarts, policy.window_s, policy.backoff_s,
+                                         policy.backoff_max_s)
+        if child.budget.exhausted():
             await self._give_up(child, f"{cause}; restart budget (restart.max_restarts = "
-                                       f"{policy.max_restarts}) used up")
+                                       f"{policy.max_restarts}) used up within restart.window_s "
+                                       f"= {policy.window_s} s")
             return
-        delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** child.restarts)
+        delay = child.budget.delay_s()
+        child.budget.record()
         self._log(f"{child.name} exited with {code}; restarting in {delay:.1f}s "
-                  f"(restart {child.restarts + 1}/{policy.max_restarts})")
+                  f"(restart {child.budget.recent()}/{policy.max_restarts} in "
+                  f"restart.window_s = {policy.window_s} s)")
         await asyncio.sleep(delay)
         if self._shutting_down:
             return

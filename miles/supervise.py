@@ -24,6 +24,10 @@ Design decisions:
 - Waiting is async without a thread per child: a pidfd becomes readable when the process exits
   (polling where pidfds are missing). Every wait takes a deadline, and its error names the
   process, what was waited for and the log tail.
+- One restart rule for everything restarted (`RestartBudget`): at most `max_restarts` restarts in
+  any `window_s`, each after an exponential backoff. The node daemon gives an actor up when its
+  window is full; the engine fleet waits for room in the window instead (an engine is never
+  given up; the fleet's own deadline, `engine.no_engine_timeout_s`, ends a fleet left with none).
 """
 
 from __future__ import annotations
@@ -355,6 +359,45 @@ def _signal(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         pass
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts in any `window_s` seconds (0: in the whole run); restart n
+    of the window waits `backoff_s * 2**n`, at most `backoff_max_s`."""
+
+    def __init__(self, max_restarts: int, window_s: float, backoff_s: float = 0.5,
+                 backoff_max_s: float = 10.0):
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.times: list[float] = []  # monotonic times of the restarts still in the window
+        self.total = 0
+
+    def recent(self, now: float | None = None) -> int:
+        """Restarts in the window that ends now."""
+        now = time.monotonic() if now is None else now
+        if self.window_s > 0:
+            self.times = [t for t in self.times if now - t < self.window_s]
+        return len(self.times)
+
+    def exhausted(self, now: float | None = None) -> bool:
+        return self.recent(now) >= self.max_restarts
+
+    def delay_s(self, now: float | None = None) -> float:
+        """How long to wait before the next restart: its backoff, or, with the window full, until
+        the oldest restart in it ages out (inf when every restart of the run counts)."""
+        now = time.monotonic() if now is None else now
+        n = self.recent(now)
+        backoff = min(self.backoff_max_s, self.backoff_s * 2 ** n)
+        if n < self.max_restarts:
+            return backoff
+        if self.window_s <= 0:
+            return float("inf")
+        room = self.times[n - self.max_restarts] + self.window_s - now
+        return max(backoff, room)
+
+    def record(self, now: float | None = None) -> None:
+        self.times.append(time.monotonic() if now is None else now)
+        self.total += 1
 
 
 @atexit.register

@@ -4,10 +4,14 @@ Design decisions:
 - One actor owns the fleet of a node: N engines (embedded or real SGLang, `engine.kind`) and the
   gateway. Everyone else asks it `GetEngines` for the gateway URL (generation) and the engine
   URLs (control: pause, weight updates go to each engine directly).
-- Start failures are the fleet's end: the launch task is kept, and when an engine or smg does not
-  come up every `GetEngines` waiter gets that error at once (it names the process, its command
-  and its log's last lines), the error is logged once to the console, and `run()` returns 1 so
-  the host process exits non-zero and the node daemon ends the job. Nobody waits out a timeout.
+- An engine that does not start is retried, at job start too: each engine gets 1 +
+  `engine.max_restarts` tries (backoff between them, `miles.supervise.RestartBudget`). The fleet
+  serves once one engine of its node is up; the others keep being tried in the background and
+  join as pending. Only when no engine came up after its tries (a bad model path, a wrong flag)
+  is the start the fleet's end: every `GetEngines` waiter gets that error at once (it names the
+  process, its command and its log's last lines), the error is logged once to the console, and
+  `run()` returns 1 so the host process exits non-zero and the node daemon ends the job. smg or
+  the session server that does not start ends the fleet the same way.
 - Engines and the gateway are health-checked every `engine.health_interval_s`. A dead engine is
   removed from the gateway at once (its requests fail fast, new ones go to the others) and
   relaunched on a fresh port. The restarted engine is listed in `EngineSet.pending_urls`: it has
@@ -18,10 +22,20 @@ Design decisions:
   publish. A death does not bump it: the trainer drops an engine that does not answer, the next
   `GetEngines` leaves it out, and an empty set must not read as "publish now". Moving an engine
   from pending to serving does not bump it either (nothing to publish).
-- `engine.max_restarts` bounds crash loops, not a long run's total: a death within
-  `engine.restart_window_s` of the engine becoming ready (or a failed relaunch) counts, a death
-  after a longer life starts the count again. An engine over the budget stays out and the fleet
-  runs smaller; when no engine is left the fleet fails like a start failure.
+- Engine restarts (a death before `/health` is one more failed start: a restart, never fatal)
+  are rate-limited, never given up: at most `engine.max_restarts` within any
+  `engine.restart_window_s`, the n-th of a window after `backoff_s * 2**n` (the fleet role's
+  `[actors.engines] restart.backoff_s` / `backoff_max_s`); with the window full the next try
+  waits until the oldest restart ages out. Meanwhile the fleet runs degraded and logs how many
+  engines serve. When no engine is up (serving or pending) for `engine.no_engine_timeout_s`,
+  the fleet ends the job with one line: the last cause and how many restarts were tried.
+- The fleet actor itself is restarted by the node daemon (a new incarnation; callers' retries
+  reach it). Its engine servers die with it (PDEATHSIG), so the new incarnation does not adopt
+  them: it reads `<output_dir>/engines/<name>.json` (the gateway's and session server's ports,
+  the generation and the version, written on every change), starts smg and the session server
+  on the same ports (every client's URL stays valid; the session token file is kept) and new
+  engines as pending under a generation past every earlier one, so the driver publishes the
+  current weights to them. Only an incarnation > 0 reads that file (a new job starts afresh).
 - The gateway is restarted on its own port (every client's gateway URL stays valid) in front of
   the serving engines, under the same crash-loop rule. If it cannot come back (the port cannot be
   re-bound, smg crash-loops) the fleet fails loudly.
@@ -50,6 +64,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -60,6 +75,8 @@ import aiohttp
 
 from miles.actors.base import Actor
 from miles.actors.engine_nodes import FleetError, NodeEngineDown, NodeEngines, NodeEngineUp, NodeFleet
+from miles.config import RestartPolicy
+from miles.supervise import RestartBudget
 from miles.wire.messages import EngineSet, EnginesUpdated, GetEngines, Ok
 
 log = logging.getLogger(__name__)
@@ -71,12 +88,13 @@ SESSION_WEDGED_S = 30.0
 
 @dataclass
 class _Slot:
-    """One engine position: the running engine (None while down) and its crash-loop count."""
+    """One engine position: the running engine (None while down) and its restart budget."""
     index: int
     engine: object | None = None
     ready_at: float = 0.0
-    quick_deaths: int = 0
-    gave_up: bool = False
+    budget: RestartBudget | None = None
+    last_error: str = ""     # why it is down (its last death or failed start), first line
+    gave_up: bool = False    # another node's engine that will not come back
     restarting: bool = False
     pending_since: int = -1  # generation at which it became pending (-1: serving or down)
     node: int = -1           # the node whose fleet launched it, on the head (-1: this fleet)
@@ -105,6 +123,8 @@ class EngineFleet(NodeFleet, Actor):
         self.session_wedged_s = SESSION_WEDGED_S
         self._session_failing_since: float | None = None  # first failed probe of the current run
         self._polled: dict[str, float] = {}
+        self._previous: dict | None = None  # the state the incarnation before this one saved
+        self._none_since: float | None = None  # since when no engine is up
 
     @property
     def gateway_restarts(self) -> int:
@@ -178,42 +198,63 @@ class EngineFleet(NodeFleet, Actor):
         cfg = self.recipe.engine
         self.logdir = Path(self.recipe.output_dir) / "logs"
         self.logdir.mkdir(parents=True, exist_ok=True)
-        self.slots = [_Slot(i) for i in range(cfg.num_engines)]
-        results = await asyncio.gather(*(self._launch_engine(i) for i in range(cfg.num_engines)),
+        self._previous = self._load_state() if self.incarnation > 0 else None
+        if self._previous is not None:
+            self.version = int(self._previous.get("version", 0))
+            self.generation = int(self._previous.get("generation", 0)) + 1
+            log.warning("%s: incarnation %d restarts the fleet its predecessor ran (version %d): "
+                        "new engines wait for the current weights (generation %d)", self.name,
+                        self.incarnation, self.version, self.generation)
+        self.slots = [_Slot(i, budget=self._engine_budget()) for i in range(cfg.num_engines)]
+        results = await asyncio.gather(*(self._first_start(s) for s in self.slots),
                                        return_exceptions=True)
-        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-        if failed:
-            await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results
-                                   if not isinstance(r, BaseException)), return_exceptions=True)
-            self._fail(FleetError("; ".join(f"engine {i} did not start: {e}" for i, e in failed)))
+        started = [r for r in results if not isinstance(r, BaseException)]
+        if not started:
+            self._fail(FleetError("; ".join(
+                f"engine {i} did not start after {s.budget.total + 1} tries (engine.max_restarts "
+                f"= {cfg.max_restarts}): {r}" for i, (s, r) in enumerate(zip(self.slots, results)))))
             return
         now = time.monotonic()
+        late = []
         for slot, engine in zip(self.slots, results):
+            if isinstance(engine, BaseException):
+                late.append(slot)
+                slot.last_error = str(engine).splitlines()[0]
+                log.error("engine %d did not start after %d tries; the fleet starts with %d of "
+                          "%d engines and keeps trying it: %s", slot.index, slot.budget.total + 1,
+                          len(started), len(self.slots), slot.last_error)
+                continue
             slot.engine, slot.ready_at = engine, now
+            if self._previous is not None:  # initial weights: they wait for the current version
+                slot.pending_since = self.generation
         if not self.is_head:  # another node's fleet: its engines join the head's gateway
             try:
                 await self.runtime.ref(self.role).call(
-                    NodeEngines(node=self.node_rank, urls=[e.url for e in results]),
+                    NodeEngines(node=self.node_rank,
+                                urls=[s.engine.url if s.engine is not None else "" for s in self.slots]),
                     timeout_s=cfg.start_timeout_s)
             except Exception as e:  # noqa: BLE001 - unannounced engines would serve nobody
-                await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results), return_exceptions=True)
+                await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in started), return_exceptions=True)
                 self._fail(FleetError(f"{self.name} could not announce its engines to {self.role} "
                                       f"within engine.start_timeout_s = {cfg.start_timeout_s}: {e}"))
                 return
             self._ready.set_result(None)
+            self._relaunch_late(late)
             self._spawn(self._watch())
             return
         try:
             await self._wait_for_nodes()
         except FleetError as e:
-            await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results), return_exceptions=True)
+            await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in started), return_exceptions=True)
             self._fail(e)
             return
-        self._gateway_ports = (free_port(), free_port())
+        previous = self._previous or {}
+        self._gateway_ports = tuple(previous.get("gateway_ports") or (free_port(), free_port()))
         try:
-            self.gateway = await self._launch_gateway([s.engine.url for s in self.slots])
+            self.gateway = await self._start_on_port("the gateway (smg)", lambda: self._launch_gateway(
+                self._serving_urls()))
         except Exception as e:  # noqa: BLE001 - every start failure ends the fleet, named
-            await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results), return_exceptions=True)
+            await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in started), return_exceptions=True)
             self._fail(FleetError(f"the gateway (smg) did not start: {e}"))
             return
         now = time.monotonic()
@@ -222,17 +263,91 @@ class EngineFleet(NodeFleet, Actor):
         self._gateway_loop.ready_at = time.monotonic()
         if self.session_enabled:
             try:
-                self.session = await self._launch_session_server()
+                self.session = await self._start_on_port("the session server",
+                                                         self._launch_session_server)
             except Exception as e:  # noqa: BLE001 - a start failure ends the fleet, named
                 await self.gateway.stop_async(grace_s=2.0)
-                await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in results),
+                await asyncio.gather(*(r.stop_async(grace_s=3.0) for r in started),
                                      return_exceptions=True)
                 self._fail(FleetError(f"the session server did not start: {e}"))
                 return
             self._session_loop.ready_at = time.monotonic()
+        self._save_state()
         self._ready.set_result(None)
+        self._relaunch_late(late)
         self._spawn(self._watch())
         self._spawn(self._poll_metrics())
+
+    def _engine_budget(self) -> RestartBudget:
+        cfg = self.recipe.engine
+        policy = self.spec.restart if self.spec is not None else RestartPolicy()
+        return RestartBudget(cfg.max_restarts, cfg.restart_window_s, policy.backoff_s,
+                             policy.backoff_max_s)
+
+    async def _first_start(self, slot: _Slot):
+        """An engine's first start, tried 1 + `engine.max_restarts` times with backoff; raises
+        the last failure."""
+        while True:
+            try:
+                return await self._launch_engine(slot.index)
+            except Exception as e:  # noqa: BLE001 - a failed start is retried under the budget
+                if slot.budget.exhausted() or self._stopped.is_set():
+                    raise
+                delay = slot.budget.delay_s()
+                log.warning("engine %d did not start (%s); try %d of %d in %.1f s", slot.index,
+                            str(e).splitlines()[0], slot.budget.total + 2,
+                            self.recipe.engine.max_restarts + 1, delay)
+                await asyncio.sleep(delay)
+                slot.budget.record()
+                self.restarts += 1
+
+    def _relaunch_late(self, slots: list[_Slot]) -> None:
+        for slot in slots:  # engines that did not start: tried again under the window's budget
+            slot.restarting = True
+            self._spawn(self._relaunch(slot))
+
+    async def _start_on_port(self, what: str, launch):
+        """smg or the session server at the fleet's start; a restarted fleet binds its
+        predecessor's port, which may need a moment to free (1 + engine.max_restarts tries)."""
+        cfg = self.recipe.engine
+        for attempt in range(cfg.max_restarts + 1 if self._previous is not None else 1):
+            try:
+                return await launch()
+            except Exception as e:  # noqa: BLE001 - retried, then raised
+                if attempt == cfg.max_restarts:
+                    raise
+                log.warning("%s did not start on its port (%s); trying again", what,
+                            str(e).splitlines()[0])
+                await asyncio.sleep(cfg.health_interval_s)
+
+    # ---- the state a restarted fleet starts from ------------------------------------------------
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.recipe.output_dir) / "engines" / f"{self.name.replace('/', '_')}.json"
+
+    def _load_state(self) -> dict | None:
+        try:
+            return json.loads(self.state_path.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("%s: no state of the incarnation before (%s): starting afresh", self.name, e)
+            return None
+
+    def _save_state(self) -> None:
+        """Ports, generation and version, for the next incarnation (written whole, then renamed)."""
+        state = {"gateway_ports": list(getattr(self, "_gateway_ports", ()) or ()),
+                 "session_port": self._session_config.port if self.session is not None else 0,
+                 "generation": self.generation, "version": self.version}
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_path)
+
+    def _bump_generation(self) -> int:
+        """A set that needs a publish; saved at once, so a restarted fleet's generation is past it."""
+        self.generation += 1
+        self._save_state()
+        return self.generation
 
     async def _launch_gateway(self, urls: list[str]):
         from miles.engines.gateway import GatewayConfig, launch_gateway
@@ -262,10 +377,13 @@ class EngineFleet(NodeFleet, Actor):
                                                   write_token_file)
 
         if self.session is None:  # the first start; a restart keeps the port and the token
-            s = self.recipe.session
+            s, previous = self.recipe.session, self._previous or {}
+            # a restarted fleet: its predecessor's port and token (every client holds them)
+            keep = bool(previous.get("session_port")) and self.session_token_file.exists()
+            token = self.session_token_file if keep else write_token_file(self.session_token_file)
             self._session_config = SessionServerConfig(
                 engine_url=self.gateway.url, model_path=str(self.recipe.model.path),
-                port=free_port(), token_file=str(write_token_file(self.session_token_file)),
+                port=previous["session_port"] if keep else free_port(), token_file=str(token),
                 family=s.family, max_context_tokens=s.max_context_tokens,
                 session_ttl_s=s.session_ttl_s, message_matcher=s.message_matcher,
                 max_body_bytes=s.max_body_bytes)
@@ -306,7 +424,7 @@ class EngineFleet(NodeFleet, Actor):
 
     # ---- supervision ---------------------------------------------------------------------------
 
-    def _quick(self, ready_at: float) -> bool:
+    def _quick(self, ready_at: float) -> bool:  # smg and the session server's crash-loop rule
         return time.monotonic() - ready_at < self.recipe.engine.restart_window_s
 
     async def _watch(self) -> None:
@@ -325,17 +443,33 @@ class EngineFleet(NodeFleet, Actor):
                 if (slot.engine is not None and not slot.engine.process.alive
                         and not slot.restarting and slot.node < 0):
                     await self._engine_died(slot)
-            if self.is_head and all(s.gave_up for s in self.slots):
-                self._fail(FleetError(f"every engine gave up after engine.max_restarts = "
-                                      f"{cfg.max_restarts} quick restarts (see {self.logdir})"))
-                return
+            if self.is_head:
+                self._check_any_engine_up()
+
+    def _check_any_engine_up(self) -> None:
+        """With no engine up (serving or pending) for `engine.no_engine_timeout_s`, end the fleet
+        with one line: the last cause and how many restarts were tried."""
+        cfg, now = self.recipe.engine, time.monotonic()
+        if any(s.engine is not None for s in self.slots):
+            self._none_since = None
+            return
+        self._none_since = self._none_since or now
+        if now - self._none_since < cfg.no_engine_timeout_s:
+            return
+        causes = "; ".join(f"engine {s.index}: {s.last_error or 'gone'}" for s in self.slots)
+        self._fail(FleetError(
+            f"no engine up for {now - self._none_since:.0f} s (engine.no_engine_timeout_s = "
+            f"{cfg.no_engine_timeout_s}) after {self.restarts} restarts (engine.max_restarts = "
+            f"{cfg.max_restarts} per engine.restart_window_s = {cfg.restart_window_s} s); last "
+            f"causes: {causes} (logs in {self.logdir})"))
 
     async def _engine_died(self, slot: _Slot) -> None:
         engine, was_serving = slot.engine, slot.pending_since < 0
-        log.warning("engine %d (%s) died with code %s; last lines of its log:\n%s", slot.index,
-                    engine.url, engine.process.returncode, engine.process.log_tail(10))
         slot.engine, slot.pending_since = None, -1
-        slot.quick_deaths = slot.quick_deaths + 1 if self._quick(slot.ready_at) else 1
+        slot.last_error = f"{engine.url} died with code {engine.process.returncode}"
+        log.warning("engine %d (%s) died with code %s; %d of %d engines serve meanwhile; last "
+                    "lines of its log:\n%s", slot.index, engine.url, engine.process.returncode,
+                    len(self._serving_urls()), len(self.slots), engine.process.log_tail(10))
         slot.restarting = True
         await self._leave_gateway(engine.url, was_serving)
         self._report(NodeEngineDown(node=self.node_rank, index=slot.index, url=engine.url,
@@ -343,33 +477,35 @@ class EngineFleet(NodeFleet, Actor):
         self._spawn(self._relaunch(slot))
 
     async def _relaunch(self, slot: _Slot) -> None:
+        """Start the slot's engine again until one is up: every try (a failed start, a death
+        before /health, included) is a restart of the budget, never fatal; a full window waits."""
         cfg = self.recipe.engine
         try:
-            while slot.quick_deaths <= cfg.max_restarts and not self._stopped.is_set():
+            while not self._stopped.is_set():
+                delay = slot.budget.delay_s()
+                if slot.budget.exhausted():
+                    log.error("engine %d: %d restarts within engine.restart_window_s = %s s "
+                              "(engine.max_restarts = %d); next try in %.1f s, %d of %d engines "
+                              "serve meanwhile", slot.index, slot.budget.recent(),
+                              cfg.restart_window_s, cfg.max_restarts, delay,
+                              len(self._serving_urls()), len(self.slots))
+                await asyncio.sleep(delay)
+                slot.budget.record()
                 self.restarts += 1
                 try:
                     fresh = await self._launch_engine(slot.index)
-                except Exception as e:  # noqa: BLE001 - counted as a death at start
-                    slot.quick_deaths += 1
+                except Exception as e:  # noqa: BLE001 - a failed start: one more restart
+                    slot.last_error = str(e).splitlines()[0]
                     log.error("engine %d could not be restarted: %s", slot.index, e)
-                    await asyncio.sleep(cfg.health_interval_s)
                     continue
                 slot.engine, slot.ready_at = fresh, time.monotonic()
                 if not self.is_head:  # the head's fleet makes it pending and publishes to it
                     self._report(NodeEngineUp(node=self.node_rank, index=slot.index, url=fresh.url))
                     return
-                self.generation += 1
-                slot.pending_since = self.generation
+                slot.pending_since = self._bump_generation()
                 log.info("engine %d restarted at %s; waiting for the current weights (generation %d)",
                          slot.index, fresh.url, self.generation)
                 return
-            if self._stopped.is_set():
-                return
-            slot.gave_up = True
-            self._report(NodeEngineDown(node=self.node_rank, index=slot.index, url="", gave_up=True))
-            log.error("engine %d gave up: it died %d times, each within engine.restart_window_s = "
-                      "%s of starting (engine.max_restarts = %d); the fleet runs without it",
-                      slot.index, slot.quick_deaths, cfg.restart_window_s, cfg.max_restarts)
         finally:
             slot.restarting = False
 
@@ -457,7 +593,9 @@ class EngineFleet(NodeFleet, Actor):
     async def on_engines_updated(self, msg: EnginesUpdated) -> Ok:
         """The driver published `msg.version` to the set of `msg.generation`: pending engines of
         that set (or older) hold the weights now and may take traffic."""
-        self.version = max(self.version, msg.version)
+        if msg.version > self.version:
+            self.version = msg.version
+            self._save_state()
         added = []
         for slot in self.slots:
             if slot.engine is None or not (0 <= slot.pending_since <= msg.generation):

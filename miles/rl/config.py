@@ -198,9 +198,14 @@ class EngineConfig(Section):
     start_timeout_s: Seconds = 600.0
     # how often the fleet probes every engine, smg and the session server
     health_interval_s: Seconds = 2.0
-    max_restarts: Count = 3           # quick deaths in a row before an engine (or smg) is given up
-    restart_window_s: NonNegative = 60.0  # a death this soon after becoming ready counts as quick; a
-                                          # longer life starts the count again (crash loops, not kills)
+    # engine restarts per restart_window_s (more wait for room; a first start gets 1 + this
+    # many tries); smg and the session server: quick deaths in a row before the fleet ends
+    max_restarts: Count = 3
+    # the restart budget's window; for smg and the session server a death this soon after
+    # becoming ready counts as quick (crash loops, not kills)
+    restart_window_s: NonNegative = 60.0
+    # with no engine up (serving or pending) for this long, the fleet ends the job with one line
+    no_engine_timeout_s: Seconds = 300.0
 
 
 class TeacherConfig(Section):
