@@ -8,13 +8,16 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from miles.rl.episodes import FILE, ROTATED, EpisodeFile, EpisodeStore, select
 from miles.wire.messages import Group, Sample, VersionSpan
+from tests.ports import cluster_port
 from tests.runtime.test_observe import free_port, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,9 +212,67 @@ def test_the_episode_browser_lists_filters_and_opens_episodes_in_chromium(tmp_pa
         assert turns == ["user", "assistant", "tool", "assistant"], turns
         assert "→ read_file" in dom and "k3.txt" in dom
         assert 'class="reason"' in dom and "task row 3 is malformed" in dom   # the failure's reason
-        dom, _ = render(base + "/episodes?step=x", tmp_path)
-        assert "step 'x': expected a step number" in dom
+        with pytest.raises(urllib.error.HTTPError) as bad:   # a bad filter: 400 and one line
+            urllib.request.urlopen(base + "/api/episodes?step=x", timeout=10)
+        assert bad.value.code == 400
+        assert json.loads(bad.value.read()) == {"error": "step 'x': expected a step number"}
     finally:
         import os
+        os.killpg(dash.pid, 9)
+        dash.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_real_agent_run_keeps_its_episodes_for_the_cli_and_the_browser(tmp_path):
+    """The agent quickstart, one step from the random-weight model: every episode the rollout
+    worker put is in episodes.jsonl with the agent's messages, its sandbox and session, and the
+    step that trained it; `miles episodes` and the browser read them."""
+    import os
+    out = tmp_path / "aq"
+    sets = [f"run.output_dir={json.dumps(str(out))}", "run.name=\"aq\"", "logging.progress=false",
+            f"cluster.head_port={cluster_port()}", "sft.steps=0", "loop.num_steps=1",
+            "loop.groups_per_step=2", "rollout.n_samples_per_prompt=2", "eval.mode=\"off\"",
+            "buffer.filter=\"none\"", "agent.max_turns=2", "logging.plot=false"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
+    proc = subprocess.run([*MILES, "run", str(ROOT / "recipes" / "agent_quickstart.toml"),
+                           *[a for kv in sets for a in ("--set", kv)]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    cli = episodes_cli(out, "--json", "-n", 0)
+    assert cli.returncode == 0, cli.stderr
+    got = [json.loads(line) for line in cli.stdout.splitlines()]
+    trained = json.loads(next(line for line in (out / "metrics.jsonl").read_text().splitlines()
+                              if '"kind": "train"' in line))["batch/prompt_indices"]
+    assert len(got) >= 4 and {e["prompt_index"] for e in got if e["trained"]} == set(trained)
+    assert all(e["step"] == 1 for e in got if e["trained"])
+    for e in got:
+        assert e["run"] == "aq" and e["decision"] == "keep" and e["versions"], e
+        assert e["messages"][0]["role"] == "user" and e["messages"][1]["role"] == "assistant"
+        assert e["messages"][0]["content"] and e["sandbox_id"] and e["session_id"]
+        assert e["response_tokens"] > 0 and e["status"] in ("completed", "truncated")
+    text = episodes_cli(out, "--step", 1, "-n", 0)
+    assert text.returncode == 0 and "step 1 (trained)" in text.stdout and "[user] " in text.stdout
+    port = free_port()
+    dash = subprocess.Popen([*MILES, "dashboard", str(out), "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(base + "/api/episodes", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "miles dashboard did not answer within 60 s"
+                time.sleep(0.3)
+        key = got[0]["key"]
+        dom, _ = render(f"{base}/episodes#{urllib.request.quote(key, safe='')}", tmp_path)
+        assert f'data-rendered="{len(got)}"' in dom and f'data-opened="{key}"' in dom, dom[:3000]
+        assert dom.count('class="episode') == len(got)
+        import re
+        assert re.findall(r'class="turn (\w+)"', dom)[:2] == ["user", "assistant"]
+        assert got[0]["sandbox_id"] in dom
+    finally:
         os.killpg(dash.pid, 9)
         dash.wait()
