@@ -129,8 +129,8 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI / Anthropic content parts
-        return "\n".join(_text(p.get("text", p.get("content", ""))) if isinstance(p, dict) else str(p)
-                         for p in content)
+        return "\n".join(_text(p.get("text", p.get("content", ""))) if isinstance(p, dict)
+                         else str(p) for p in content)
     return json.dumps(content) if isinstance(content, dict) else str(content)
 
 
@@ -149,25 +149,29 @@ def turns_of(messages: list[Any]) -> list[Turn]:
         calls = []
         for c in m.get("tool_calls") or []:
             fn = c.get("function") or {}
-            calls.append(ToolCall(name=str(fn.get("name", "")), arguments=_arguments(fn.get("arguments", "")),
+            calls.append(ToolCall(name=str(fn.get("name", "")),
+                                  arguments=_arguments(fn.get("arguments", "")),
                                   id=str(c.get("id") or "")))
         blocks = m.get("content") if isinstance(m.get("content"), list) else []
         results = []
         for b in blocks:   # Anthropic: tool_use / tool_result blocks
             if isinstance(b, dict) and b.get("type") == "tool_use":
-                calls.append(ToolCall(name=str(b.get("name", "")), arguments=_arguments(b.get("input", {})),
+                calls.append(ToolCall(name=str(b.get("name", "")),
+                                      arguments=_arguments(b.get("input", {})),
                                       id=str(b.get("id") or "")))
             elif isinstance(b, dict) and b.get("type") == "tool_result":
                 results.append(b)
         for c in calls:
             names[c.id] = c.name
-        text = _text([b for b in blocks if not (isinstance(b, dict) and b.get("type") in
-                                                 ("tool_use", "tool_result"))]) if blocks else _text(m.get("content"))
+        plain = [b for b in blocks
+                 if not (isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result"))]
+        text = _text(plain) if blocks else _text(m.get("content"))
         call_id = str(m.get("tool_call_id") or "")
         if text or calls or not results:
             out.append(Turn(role=str(m.get("role", "?")), content=text, tool_calls=calls,
                             reasoning=_text(m.get("reasoning_content") or m.get("reasoning")),
-                            tool_call_id=call_id, name=str(m.get("name") or names.get(call_id, ""))))
+                            tool_call_id=call_id,
+                            name=str(m.get("name") or names.get(call_id, ""))))
         for b in results:
             rid = str(b.get("tool_use_id") or "")
             out.append(Turn(role="tool", content=_text(b.get("content")), tool_call_id=rid,
@@ -191,7 +195,8 @@ def failure_reason(sample) -> str:
     return str(meta.get("error") or meta.get("agent_error") or meta.get("reason") or "")
 
 
-def record_of(sample, run: str, reward_key: str = "", decision: str = "", reason: str = "") -> EpisodeRecord:
+def record_of(sample, run: str, reward_key: str = "", decision: str = "",
+              reason: str = "") -> EpisodeRecord:
     from miles.wire.messages import scalar_reward
     meta = sample.metadata
     try:
@@ -215,7 +220,8 @@ def record_of(sample, run: str, reward_key: str = "", decision: str = "", reason
 
 def keep(sample, score: float | None, keep_success: int) -> bool:
     """Every failure and zero-reward episode; 1 in `keep_success` of the others."""
-    if keep_success <= 1 or sample.status not in ("completed", "truncated") or not score or score <= 0:
+    if keep_success <= 1 or sample.status not in ("completed", "truncated") or not score \
+            or score <= 0:
         return True
     return zlib.crc32(sample.rollout_id.encode()) % keep_success == 0
 
@@ -223,10 +229,10 @@ def keep(sample, score: float | None, keep_success: int) -> bool:
 # ----- the writer ------------------------------------------------------------------------------
 
 class EpisodeStore:
-    """Appends records on a writer thread; `write(group, reply)` is what the rollout worker calls."""
+    """Appends records on a writer thread; the rollout worker calls `write(group, decision)`."""
 
-    def __init__(self, run_dir: str | Path, run: str, *, max_mb: float = 256.0, keep_success: int = 1,
-                 reward_key: str = "", fresh: bool = False):
+    def __init__(self, run_dir: str | Path, run: str, *, max_mb: float = 256.0,
+                 keep_success: int = 1, reward_key: str = "", fresh: bool = False):
         self.dir = Path(run_dir)
         self.path, self.rotated = self.dir / FILE, self.dir / ROTATED
         self.run, self.reward_key, self.keep_success = run, reward_key, keep_success
@@ -246,8 +252,9 @@ class EpisodeStore:
         cfg = recipe.logging
         if not cfg.episodes:
             return None
-        resumable = recipe.loop.resume and any(
-            (p / "loop_state.json").exists() for p in (Path(recipe.output_dir) / "checkpoints").glob("step_*"))
+        checkpoints = (Path(recipe.output_dir) / "checkpoints").glob("step_*")
+        resumable = recipe.loop.resume and any((p / "loop_state.json").exists()
+                                               for p in checkpoints)
         return cls(recipe.output_dir, recipe.run.name, max_mb=cfg.episodes_max_mb,
                    keep_success=cfg.episodes_keep_success, reward_key=recipe.train.reward_key,
                    fresh=incarnation == 0 and not resumable)
@@ -496,7 +503,8 @@ def format_episode(rec: EpisodeRecord, info: dict) -> str:
             f"   status {rec.status}  reward {reward}  tokens: prompt {rec.prompt_tokens}, "
             f"response {rec.response_tokens} ({rec.trained_tokens} trained)",
             f"   sandbox {rec.sandbox_id or '-'}  session {rec.session_id or '-'}  "
-            f"buffer {rec.decision or '-'}{': ' + rec.decision_reason if rec.decision_reason else ''}"
+            f"buffer {rec.decision or '-'}"
+            f"{': ' + rec.decision_reason if rec.decision_reason else ''}"
             f"{'  stop ' + rec.stop if rec.stop else ''}"]
     if rec.error:
         head.append(f"   reason: {rec.error}")

@@ -29,7 +29,8 @@ def agent_sample(prompt_index: int, i: int, reward, status="completed", error=""
     messages = [{"role": "user", "content": f"Submit the number in k{prompt_index}.txt."},
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"id": "call_0", "type": "function",
-                     "function": {"name": "read_file", "arguments": json.dumps({"path": f"k{prompt_index}.txt"})}}]},
+                     "function": {"name": "read_file",
+                                  "arguments": json.dumps({"path": f"k{prompt_index}.txt"})}}]},
                 {"role": "tool", "tool_call_id": "call_0", "content": f"{100 + prompt_index}"},
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"id": "call_1", "type": "function",
@@ -47,7 +48,8 @@ def agent_sample(prompt_index: int, i: int, reward, status="completed", error=""
 
 def group(prompt_index: int, rewards, version=1, **kw) -> Group:
     return Group(group_id=f"p{prompt_index}-a0", prompt_index=prompt_index,
-                 samples=[agent_sample(prompt_index, i, r, version=version, **kw) for i, r in enumerate(rewards)])
+                 samples=[agent_sample(prompt_index, i, r, version=version, **kw)
+                          for i, r in enumerate(rewards)])
 
 
 def write_run(run: Path) -> None:
@@ -67,7 +69,8 @@ def write_run(run: Path) -> None:
 def test_records_round_trip_with_turns_tool_calls_and_the_trained_step(tmp_path):
     write_run(tmp_path)
     index = EpisodeFile(tmp_path).refresh()
-    assert [(s.prompt_index, s.index) for s, _, _ in index.rows] == [(p, i) for p in range(4) for i in range(2)]
+    assert [(s.prompt_index, s.index) for s, _, _ in index.rows] == \
+        [(p, i) for p in range(4) for i in range(2)]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     hits, total = select(index, rows)
     assert total == 8
@@ -163,7 +166,8 @@ def test_miles_episodes_prints_transcripts_and_filters_combine(tmp_path):
     assert out.stdout.count("== episode") == 1 and "step 2 (trained)" in out.stdout
     out = episodes_cli(tmp_path, "--reward", ">0", "--json", "-n", 0)
     got = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [(e["task"], e["index"]) for e in got] == [("find-0", 0)]   # a dict reward without reward_key has no score
+    # a dict reward without train.reward_key has no score
+    assert [(e["task"], e["index"]) for e in got] == [("find-0", 0)]
     assert got[0]["messages"][2] == {"role": "tool", "content": "100", "tool_call_id": "call_0",
                                      "name": "read_file"}
 
@@ -234,7 +238,8 @@ def test_a_real_agent_run_keeps_its_episodes_for_the_cli_and_the_browser(tmp_pat
             f"cluster.head_port={cluster_port()}", "sft.steps=0", "loop.num_steps=1",
             "loop.groups_per_step=2", "rollout.n_samples_per_prompt=2", "eval.mode=\"off\"",
             "buffer.filter=\"none\"", "agent.max_turns=2", "logging.plot=false"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
     proc = subprocess.run([*MILES, "run", str(ROOT / "recipes" / "agent_quickstart.toml"),
                            *[a for kv in sets for a in ("--set", kv)]], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=540)
