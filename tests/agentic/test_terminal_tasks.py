@@ -84,10 +84,14 @@ def test_tasks_are_harbor_dirs_seeded_and_split_by_task(splits, tmp_path):
 
 
 def test_sft_rows_are_the_oracle_transcripts(splits):
+    from miles.envs.tool_agent import PARSE_ERROR
     sft = splits["sft"]
-    assert len(sft) == 2 * len(splits["train"])          # the bash call, then submit
+    again = [r for r in sft if PARSE_ERROR in r["prompt"]]   # the recovery from an unparsed call
+    assert 0 < len(again) < len(sft) / 2 and len(again) % 2 == 0
+    assert len(sft) - len(again) == 2 * len(splits["train"])          # the bash call, then submit
     bash = [r for r in sft if '"name": "bash"' in r["label"]]
-    assert len(bash) == len(splits["train"])
+    assert len(bash) == len(splits["train"]) + len(again) // 2
+    assert all(json.loads(r["label"].split("\n")[1]) for r in sft)   # no label is the unparsed call
     assert all(r["label"].startswith("<tool_call>") and "<|im_start|>system" in r["prompt"] for r in sft)
 
 

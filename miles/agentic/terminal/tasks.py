@@ -26,6 +26,8 @@ Design decisions:
 - The split is by task (a seeded sample, drawn before the tasks): a held-out task draws its names
   from held-out pools (`families.HELDOUT_WORDS`, ...), so none of its words, services or cities
   occurs in a train task (a test checks it); its family's train siblings teach the commands.
+- Rows name their family in `metadata["eval_groups"]`: the evaluator reports held-out pass@1
+  per family (`eval/<family>/pass@1`).
 - Every argument of an SFT transcript's tool call is in the prompt or a family-wide word of its
   commands (a test checks it over every family): a solve.sh never uses a constant that only the
   files show (a column's position, a tar's top directory), which no model could copy.
@@ -33,7 +35,9 @@ Design decisions:
   tools in the warm-start and each prompt is ~5x shorter, which is what a CPU run pays for.
 - The SFT rows are the oracle's transcripts of the train tasks (bash with solve.sh's commands, then
   submit), rendered through the session family's template with the tool schemas, one row per
-  assistant turn, as `miles.rl.tasks.sft_rows` does for `find_file`.
+  assistant turn, by `miles.rl.tasks.sft_rows` (as for `find_file`). A quarter of the tasks also
+  come with their first call unparsed, the tool agent's `PARSE_ERROR` and the right call after it
+  (labels: the recovery only): the reply a sampled model meets most, which SFT must have shown.
 - Directories are written to a temporary name and renamed: a reader never sees half a task.
 """
 
@@ -56,6 +60,7 @@ SYSTEM = ("You are working in a Linux shell. Run commands with the bash tool (th
           "is /workspace). When the task is done, call submit with a one-line summary.")
 AGENT_TIMEOUT_S = 120.0
 VERIFIER_TIMEOUT_S = 30.0
+PARSE_ERROR_FRAC = 0.25    # train tasks whose SFT also shows an unparsed call and the recovery
 
 TEST_HEAD = """#!/bin/bash
 # Hidden verifier of {name} ({family}): reward 1 when every check passes, else 0.
@@ -172,7 +177,8 @@ def generate(out_dir: str | Path, seed: int = 0, n: int = N_TASKS,
 def row(rec: TaskRecord, declare_tools: bool = True) -> dict:
     return {"prompt": rec.parts.instruction, "label": rec.name, "metadata": {
         "task_dir": rec.path, "task_name": rec.name, "family": rec.parts.family, "task_seed": rec.seed,
-        "task_index": rec.index, "task_heldout": rec.heldout, "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
+        "task_index": rec.index, "task_heldout": rec.heldout,
+        "eval_groups": [rec.parts.family], "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
         "declare_tools": declare_tools}}
 
 
@@ -207,21 +213,13 @@ def transcript(r: dict) -> list[dict]:
 
 
 def sft_rows(rows: list[dict], family: str = "qwen3") -> list[dict]:
-    from miles.envs.tool_agent import tool_specs
-    from miles.tito.families import get_family
-    from miles.tito.messages import parse_openai_messages, parse_openai_tools
-
-    fam = get_family(family)
-    out = []
-    for r in rows:
-        tools = parse_openai_tools(tool_specs(TOOLS)) if r["metadata"].get("declare_tools", True) else None
-        messages = parse_openai_messages(transcript(r))
-        for k, m in enumerate(messages):
-            if m.role == "assistant":
-                label = fam.generation_text(m)
-                out.append({"prompt": fam.render(messages[:k], tools, 0, True),
-                            "label": label[: -len(fam.end_of_turn)]})
-    return out
+    """One row per assistant turn of each train row's transcript, and of a seeded
+    `PARSE_ERROR_FRAC` of them again with the first call unparsed first and the recovery."""
+    from miles.rl.tasks import sft_rows as rows_of, with_parse_error
+    again = [{**r, "mistake": True} for r in rows
+             if random.Random(f"mistake-{r['metadata']['task_name']}").random() < PARSE_ERROR_FRAC]
+    return rows_of(rows + again, family,
+                   transcript=lambda r: with_parse_error(transcript(r)) if r.get("mistake") else transcript(r))
 
 
 def terminal_tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS,
@@ -242,3 +240,12 @@ def terminal_tasks_compact(seed: int = 0, test_frac: float = 0.25) -> dict[str, 
     """The same tasks without tool schemas in the prompt (~150 instead of ~800 tokens with the tiny
     tokenizer): for a model that learns its two tools in the warm-start (the CPU recipe)."""
     return terminal_tasks(seed, test_frac, declare_tools=False)
+
+
+N_TASKS_CPU = 144
+
+
+def terminal_tasks_cpu(seed: int = 0, test_frac: float = 0.25) -> dict[str, list[dict]]:
+    """`terminal_tasks_compact` with 144 tasks (~7 train tasks a family instead of ~2: the
+    families' commands to learn, not 36 commands to memorise)."""
+    return terminal_tasks(seed, test_frac, n=N_TASKS_CPU, declare_tools=False)
