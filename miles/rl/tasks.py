@@ -46,47 +46,81 @@ def _addition() -> list[tuple[str, str]]:
 
 
 FIND_FILE_TOOLS = ["read_file", "submit"]   # the tools an episode offers (metadata["tools"])
-FIND_FILE_FILES = 3                         # files in each sandbox: one answer, the rest distractors
+FIND_FILE_FILES = 5                         # files in each sandbox: the chain, the rest distractors
+FIND_FILE_LEVELS = 3                        # 0: the file named, 1: one pointer to it, 2: two
+FIND_FILE_MISTAKES = 0.1                    # SFT episodes that recover from an unparsed call
 
 
 def find_file_rows(seed: int, n_train: int = 3000, test_frac: float = 0.25,
                    declare_tools: bool = False) -> tuple[list[dict], list[dict]]:
     """(train, test) rows of `find_file`; test answers never occur as a train answer.
-    `declare_tools` is each row's `metadata["declare_tools"]`: whether the agent sends the schemas."""
+    `declare_tools` is each row's `metadata["declare_tools"]`: whether the agent sends the schemas.
+    Row `i` has level `i % FIND_FILE_LEVELS` (`metadata["level"]`, `metadata["chain"]` the paths
+    read in order); train rows draw `metadata["mistake"]` with probability `FIND_FILE_MISTAKES`."""
     rng = random.Random(seed)
     values = [f"{i:03d}" for i in range(1000)]
     rng.shuffle(values)
     n_test = int(len(values) * test_frac)
     test_values, train_values = values[:n_test], values[n_test:]
 
-    def row(answer: str) -> dict:
-        names = rng.sample(string.ascii_lowercase, FIND_FILE_FILES)
-        files = {f"{n}.txt": f"{rng.randrange(1000):03d}" for n in names}
-        target = rng.choice(names) + ".txt"
-        files[target] = answer
-        return {"prompt": f"Submit the number in {target}.", "label": answer,
-                "metadata": {"files": files, "tools": FIND_FILE_TOOLS, "target": target,
-                             "declare_tools": declare_tools}}
+    def row(i: int, answer: str, train: bool) -> dict:
+        level = i % FIND_FILE_LEVELS
+        names = [n + ".txt" for n in rng.sample(string.ascii_lowercase, FIND_FILE_FILES)]
+        chain, others = names[:level + 1], names[level + 1:]
+        files = {a: b for a, b in zip(chain, chain[1:])}
+        files[chain[-1]] = answer
+        for k, p in enumerate(others):   # distractors: numbers, and a pointer to a number
+            files[p] = others[0] if k and rng.random() < 0.3 else f"{rng.randrange(1000):03d}"
+        files = dict(sorted(files.items()))
+        prompt = (f"Submit the number in {chain[0]}." if level == 0 else
+                  f"Start at {chain[0]} and submit the number it leads to.")
+        return {"prompt": prompt, "label": answer,
+                "metadata": {"files": files, "tools": FIND_FILE_TOOLS, "target": chain[-1],
+                             "chain": chain, "level": level, "eval_groups": [f"level{level}"],
+                             "declare_tools": declare_tools,
+                             "mistake": train and rng.random() < FIND_FILE_MISTAKES}}
 
-    return [row(rng.choice(train_values)) for _ in range(n_train)], [row(v) for v in test_values]
+    train = [row(i, rng.choice(train_values), True) for i in range(n_train)]
+    return train, [row(i, v, False) for i, v in enumerate(test_values)]
+
+
+def with_parse_error(messages: list[dict]) -> list[dict]:
+    """The episode with its first tool call written wrong first (its JSON cut short, marked
+    `"unparsed"`: no SFT label), answered with `PARSE_ERROR` as the tool agent answers it, then
+    as it was: what SFT shows of the harness's reply and the recovery from it."""
+    from miles.envs.tool_agent import PARSE_ERROR
+    k = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
+    fn = messages[k]["tool_calls"][0]["function"]
+    text = ('<tool_call>\n{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
+            + fn["arguments"] + '}\n</tool_call>')
+    wrong = text.replace("}\n</tool_call>", "\n</tool_call>")   # the closing brace missing
+    return [*messages[:k], {"role": "assistant", "content": wrong, "unparsed": True},
+            {"role": "user", "content": PARSE_ERROR}, *messages[k:]]
 
 
 def transcript(row: dict) -> list[dict]:
-    """The correct episode of a `find_file` row, as OpenAI messages (tool call ids are not rendered)."""
-    target, answer = row["metadata"]["target"], row["label"]
+    """The correct episode of a `find_file` row, as OpenAI messages (tool call ids are not
+    rendered): read each file of the chain, submit what the last held. With
+    `metadata["mistake"]` the first call comes unparsed first (`with_parse_error`)."""
+    meta, answer = row["metadata"], row["label"]
+    chain = meta.get("chain") or [meta["target"]]
 
     def call(i: int, name: str, args: dict) -> dict:
         return {"role": "assistant", "content": None, "tool_calls": [{
             "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
 
-    return [{"role": "user", "content": row["prompt"]},
-            call(0, "read_file", {"path": target}),
-            {"role": "tool", "tool_call_id": "call_0", "content": row["metadata"]["files"][target]},
-            call(1, "submit", {"answer": answer})]
+    out = [{"role": "user", "content": row["prompt"]}]
+    for i, p in enumerate(chain):
+        out += [call(i, "read_file", {"path": p}),
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": meta["files"][p]}]
+    out.append(call(len(chain), "submit", {"answer": answer}))
+    return with_parse_error(out) if meta.get("mistake") else out
 
 
-def sft_rows(rows: list[dict], family: str = "qwen3") -> list[dict]:
-    """One prompt/label row per assistant turn of each row's correct transcript."""
+def sft_rows(rows: list[dict], family: str = "qwen3", transcript=transcript) -> list[dict]:
+    """One prompt/label row per assistant turn of each row's correct transcript (`transcript(row)`
+    -> OpenAI messages; turns marked `"unparsed"` are context, never a label). The terminal task
+    set passes its own transcripts."""
     from miles.envs.tool_agent import tool_specs
     from miles.tito.families import get_family
     from miles.tito.messages import parse_openai_messages, parse_openai_tools
@@ -94,11 +128,12 @@ def sft_rows(rows: list[dict], family: str = "qwen3") -> list[dict]:
     fam = get_family(family)
     out = []
     for row in rows:
-        messages = parse_openai_messages(transcript(row))
+        turns = transcript(row)
+        messages = parse_openai_messages([{k: v for k, v in m.items() if k != "unparsed"} for m in turns])
         meta = row["metadata"]
         tools = parse_openai_tools(tool_specs(meta["tools"])) if meta.get("declare_tools", True) else None
         for k, m in enumerate(messages):
-            if m.role != "assistant":
+            if m.role != "assistant" or turns[k].get("unparsed"):
                 continue
             label = fam.generation_text(m)
             if not label.endswith(fam.end_of_turn):
