@@ -105,6 +105,8 @@ class LoopDriver(Actor):
         await self.connect()
         step, self.version, data_state, replay = await self.resume_or_warm_start()
         self.log = MetricsLogger(r.output_dir, r.logging, r.loop.num_steps, r.run.name, resume=step > 0)
+        for sft_step, metrics in self.sft_records:   # the warm start's, phase "sft"
+            self.log.log("sft", sft_step, metrics)
         await self.evaluate(step, self.version, wait=True)
         await self.buffer_call(SetVersion(version=self.version))
         await self.rollout.call(StartRollout(data_state=data_state, replay=replay),
@@ -159,6 +161,7 @@ class LoopDriver(Actor):
         self.engine_generation = engine_set.generation
         self.run_id = uuid.uuid4().hex[:8]  # batch request ids are unique to this driver
         self.version = 0
+        self.sft_records: list[tuple[int, dict]] = []   # (step, metrics) of the warm start
         self.pending_evals: list[asyncio.Task] = []
         self.ckpt_root = Path(r.output_dir) / "checkpoints"
         if r.logging.record_wire:
@@ -326,13 +329,15 @@ class LoopDriver(Actor):
                     [int(i) for i in state.get("replay_prompts", [])])
         version = 0
         if r.sft.steps:
-            await self.warm_start()
             version = 1
-            await self.publish(version)
+            await self.warm_start(version)
         return 0, version, {}, []
 
-    async def warm_start(self) -> None:
-        """A short supervised warm-start on prompt/answer pairs (loss on the answer only)."""
+    async def warm_start(self, version: int) -> None:
+        """A supervised warm start on prompt/answer pairs (loss on the answer only), rows
+        reshuffled per epoch; published as `version`, then judged (`miles.rl.sft`): the mean loss
+        of each epoch, greedy reproduction and summed NLL per row under the published weights."""
+        from miles.rl.sft import REPRODUCTION_ROWS, EpochLoss, reproduction, sft_sample
         from miles.rl.sources import make_source, tokenizer_for
 
         r = self.recipe
@@ -341,18 +346,29 @@ class LoopDriver(Actor):
         tok = await asyncio.to_thread(tokenizer_for, r.model.path)
         source = await asyncio.to_thread(make_source, r, "sft")
         t0 = time.monotonic()
+        epochs, records = EpochLoss(), []
         for i in range(r.sft.steps):
-            samples = []
-            for _ in range(r.sft.batch_size):
-                p = next(source)
-                prompt = tok.encode(p.prompt, add_special_tokens=False)
-                answer = tok.encode(p.label, add_special_tokens=False) + [tok.eos_token_id]
-                samples.append(Sample(tokens=np.asarray(prompt + answer, np.int32),
-                                      response_length=len(answer), loss_mask=np.ones(len(answer), np.uint8),
-                                      rollout_id=f"sft{i}-{len(samples)}", status="completed", reward=0.0))
+            epoch = source.position // len(source.rows)
+            samples = [sft_sample(tok, next(source), f"sft{i}-{j}") for j in range(r.sft.batch_size)]
             metrics = await self.train(samples, phase="sft")
-        print(json.dumps({"sft_steps": r.sft.steps, "sft_loss": round(metrics.get("loss", float("nan")), 4),
-                          "sft_s": round(time.monotonic() - t0, 1)}), flush=True)
+            done = epochs.add(epoch, metrics.get("loss", float("nan")))
+            if done:
+                records.append((i, done))
+        end = epochs.close() if epochs.losses else {}
+        sft_s = time.monotonic() - t0
+        await self.publish(version)
+        engine_set = await self.engines.call(GetEngines(), timeout_s=r.engine.start_timeout_s,
+                                             retries=ACTOR_RETRIES)
+        rows = [source.at(k) for k in range(min(len(source.rows), REPRODUCTION_ROWS))]
+        judged = await reproduction(engine_set.gateway_url, tok, rows)
+        summary = {**end, **judged, "sft/steps": float(r.sft.steps), "sft/last_loss":
+                   float(metrics.get("loss", float("nan"))), "sft/s": sft_s}
+        self.sft_records = [*records, (r.sft.steps, summary)]
+        print(json.dumps({"sft_steps": r.sft.steps, "sft_loss": round(summary["sft/last_loss"], 4),
+                          "sft_loss_epoch": round(end.get("sft/loss_epoch", float("nan")), 4),
+                          "sft_row_nll": round(judged["sft/row_nll"], 3),
+                          "sft_greedy_reproduced": round(judged["sft/greedy_reproduced"], 3),
+                          "sft_s": round(sft_s, 1)}), flush=True)
 
     async def evaluate(self, step: int, version: int, wait: bool) -> None:
         if self.evaluator is None or self.recipe.eval.mode == "off":

@@ -68,7 +68,7 @@ class DataConfig(Section):
     label_key: str = "label"
     # the row field handed to the reward and the agent as metadata
     metadata_key: str = "metadata"
-    # shuffle the rows each epoch (seeded by run.seed)
+    # shuffle the train and SFT rows each epoch (seeded by run.seed and the epoch)
     shuffle: bool = True
     # wrap each prompt in the tokenizer's chat template
     apply_chat_template: bool = False

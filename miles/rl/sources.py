@@ -62,7 +62,7 @@ def make_source(recipe, split: str = "train"):
         raise ValueError(f"data.{'path' if split == 'train' else split + '_path'}: not set "
                          f"(and no data.task to make one)")
     return FileSource(path, prompt_key=data.prompt_key, label_key=data.label_key,
-                      metadata_key=data.metadata_key, shuffle=data.shuffle and split == "train",
+                      metadata_key=data.metadata_key, shuffle=data.shuffle and split != "eval",
                       seed=recipe.run.seed)
 
 
