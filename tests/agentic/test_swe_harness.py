@@ -112,15 +112,16 @@ async def test_view_edit_insert_delete_and_search_on_a_sandbox(host_sandboxes):
         await run("view", path="m.py", start=9)
 
 
+@pytest.mark.parametrize("declare", [True, False], ids=["tools", "no-tools"])
 @pytest.mark.parametrize("recover", [False, True], ids=["oracle", "recovery"])
 async def test_sft_rows_are_token_for_token_what_the_harness_renders(scripted_session, host_sandboxes,
-                                                                     recover):
+                                                                     recover, declare):
     """Each SFT row's prompt is the engine's input ids at that turn of a real episode (session
     server, harness, sandbox), and its label is the turn's reply; the recovery transcript's
     malformed call gets the harness's parse error, and its episode is scored, not failed."""
     from miles.envs.tool_agent import PARSE_ERROR
     engine, url = scripted_session
-    row = ROWS[0]
+    row = {**ROWS[0], "metadata": {**ROWS[0]["metadata"], "declare_tools": declare}}
     rows = sft_rows([row])                  # task 0 gives the plain transcript and the recovery
     n = len(episode(row["metadata"]))
     rows = rows[n:] if recover else rows[:n]

@@ -25,6 +25,8 @@ Design decisions:
   fatal.
 - `view` and `edit` read and write through the sandbox's download/upload, not the shell: no
   quoting, no heredocs, the same on every backend.
+- `task["declare_tools"] = False` (the rows of `tasks_compact`) sends no tool schemas, as the tool
+  agent does: the tools are learned from the SFT transcripts, and prompts are shorter.
 - `search` lists its hits sorted by path, then line (grep -r walks directories in no fixed
   order): the oracle's transcripts (`scripted.search_lines`) are what the harness answers.
 - A reply whose tool call does not parse is the model's mistake, not a failure: the tool agent
@@ -220,7 +222,8 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
     runner = SWERunner(task.get("sandbox"), float(limits["tool_timeout_s"]),
                        int(task.get("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS)))
     out = await react(base_url, {**task, "keep_transcript": True}, runner, tool_specs(),
-                      finished=lambda: runner.submitted, turn_tokens=DEFAULT_TURN_TOKENS)
+                      declare=bool(task.get("declare_tools", True)), finished=lambda: runner.submitted,
+                      turn_tokens=DEFAULT_TURN_TOKENS)
     messages = out.pop("messages")
     if task.get("keep_transcript"):
         out["messages"] = messages

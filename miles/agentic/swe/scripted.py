@@ -153,9 +153,10 @@ def sft_rows(rows: list[dict[str, Any]], family: str = "qwen3") -> list[dict[str
     from miles.tito.messages import parse_openai_messages, parse_openai_tools
 
     fam = get_family(family)
-    tools = parse_openai_tools(tool_specs())
+    declared = parse_openai_tools(tool_specs())
     out = []
     for i, row in enumerate(rows):
+        tools = declared if row["metadata"].get("declare_tools", True) else None
         variants = [False, True] if i % RECOVERY_EVERY == 0 else [False]
         for recover in variants:
             messages = parse_openai_messages(transcript(row, recover))

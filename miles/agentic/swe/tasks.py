@@ -243,7 +243,8 @@ def generate(seed: int = 0, n: int = N_TASKS, split: str = "train") -> list[dict
     return rows
 
 
-def tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS) -> dict[str, list[dict[str, Any]]]:
+def tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS,
+          declare_tools: bool = True) -> dict[str, list[dict[str, Any]]]:
     """The `data.task` entry point: train and held-out tasks from disjoint halves of the name and
     constant pools; "sft" is the oracle's transcripts of the train tasks
     (`miles.agentic.swe.scripted.sft_rows`), a recovery from a malformed call among them."""
@@ -252,6 +253,15 @@ def tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS) -> dict[str,
     from miles.agentic.swe.scripted import sft_rows
     n_test = max(1, int(n * test_frac))
     train, test = generate(seed, n - n_test, "train"), generate(seed, n_test, "test")
+    for r in train + test:
+        r["metadata"]["declare_tools"] = declare_tools
     sft = sft_rows(train)
     random.Random(seed + 2).shuffle(sft)   # the SFT source is read in file order
     return {"train": train, "test": test, "sft": sft}
+
+
+def tasks_compact(seed: int = 0, test_frac: float = 0.25) -> dict[str, list[dict[str, Any]]]:
+    """`tasks` without the tool schemas in the prompt (`metadata["declare_tools"] = False`): the
+    model learns its tools from the SFT transcripts, and every prompt is ~1200 tokens shorter with
+    the tiny tokenizer (what a CPU run pays for at every turn and every SFT row)."""
+    return tasks(seed, test_frac, declare_tools=False)
