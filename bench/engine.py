@@ -15,8 +15,12 @@ Design decisions:
   n_short). A warm-up run first captures every CUDA graph the timed runs need. transformers
   `generate` (sampling, dynamic cache, sdpa) is measured the same way, in the same process.
 - `hbm_bound_tok_per_s` is the roofline: batch / (bytes read per step / HBM bandwidth), where a step
-  reads every weight once plus each request's KV so far (`--hbm-gbps`, 4200 for an H200's measured
-  copy bandwidth; null on CPU).
+  reads every weight once plus each request's KV so far; `hbm_fraction` is the step's share of it.
+  The bandwidth is measured on the card at start (a 1 GiB device-to-device copy, bytes read plus
+  written: ~3.0 TB/s on an H100, ~4.3 on an H200), or `--hbm-gbps`; null on CPU.
+- `--baseline-tree DIR` (a `git archive` of main's tree): DIR's own bench/engine.py runs first in a
+  child process on the same card and shapes, and each line carries its `baseline_ms_per_step` and
+  `speedup_vs_baseline`: the same-run baseline the engine's speed is judged against.
 - The 0.5B model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936)
   has random weights, built once with miles.tiny and cached.
 - `prefill_ms` is the best of 5 runs of the batch with one new token: one prefill of all its prompts
@@ -28,8 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,6 +105,42 @@ async def profile_run(server, batch: int, args) -> None:
               f"{1e3 * t / runs:.3f} ms/run under the profiler\n{text.getvalue()}", file=sys.stderr, flush=True)
 
 
+async def torch_profile_run(server, batch: int, args) -> None:
+    """torch.profiler over one run of `batch` requests (64 new tokens), entered and left on the
+    compute thread: host time per op (what a host-bound step is made of) and device time per
+    kernel, on stderr, with the device's busy share of the run's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+    sch = server.scheduler
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    await sch.run_compute(prof.__enter__)
+    t = await engine_run(server, batch, args.prompt_len, 64, seed=21)
+    await sch.run_compute(prof.__exit__, None, None, None)
+    avg = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"== torch profile: batch {batch}, 64 tokens, {1e3 * t:.1f} ms wall, device busy "
+          f"{busy_us / 1e3:.1f} ms ({100 * busy_us / 1e6 / t:.0f}%)\n"
+          f"{avg.table(sort_by='self_cpu_time_total', row_limit=30, max_name_column_width=60)}\n"
+          f"{avg.table(sort_by='self_device_time_total', row_limit=15, max_name_column_width=60)}",
+          file=sys.stderr, flush=True)
+
+
+def hbm_gbps(device) -> float:
+    """The card's memory bandwidth, measured: a 1 GiB device-to-device copy, bytes read plus
+    written, best of 10 (the roofline then fits whichever card the bench ran on)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(12):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / best / 1e9
+
+
 async def prefill_shapes(server, args) -> dict:
     """Prefill cost at shapes the engine has not seen, then at the same shapes again.
 
@@ -159,6 +202,8 @@ async def bench_engine(args, path, device) -> dict[int, float]:
             out[b] = ((t_long - t_short) / (args.n_long - args.n_short), t_prefill)
             if args.profile:
                 await profile_run(server, b, args)
+            if args.torch_profile:
+                await torch_profile_run(server, b, args)
     finally:
         await server.scheduler.close()
     info = {"weights_bytes": server.runner.model.weights.nbytes(),
@@ -167,6 +212,27 @@ async def bench_engine(args, path, device) -> dict[int, float]:
             "prefill_attention": server.runner.prefill_attention}
     del server
     return out, info
+
+
+def baseline_figures(args) -> dict[int, dict]:
+    """Run the baseline tree's own bench/engine.py (its engine, same card, same shapes) in a child
+    process and return its lines by batch."""
+    tree = Path(args.baseline_tree).resolve()
+    cmd = [sys.executable, str(tree / "bench" / "engine.py"), "--device", args.device, "--model", args.model,
+           "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)),
+           "--prompt-len", str(args.prompt_len), "--n-short", str(args.n_short),
+           "--n-long", str(args.n_long), "--skip-hf", "--hbm-gbps", "1000"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"--baseline-tree {tree}: its bench failed:\n{proc.stderr[-3000:]}")
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{") and '"bench": "engine"' in line:
+            row = json.loads(line)
+            out[row["batch"]] = row
+    print(json.dumps({"bench": "engine_baseline", "tree": tree.name, "lines": list(out.values())}), flush=True)
+    return out
 
 
 def main() -> None:
@@ -179,7 +245,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--n-short", type=int, default=None)
     p.add_argument("--n-long", type=int, default=None)
-    p.add_argument("--hbm-gbps", type=float, default=4200.0)
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="HBM bandwidth for the roofline (default: measured by a device copy)")
+    p.add_argument("--baseline-tree", default=None,
+                   help="a checkout of the engine to compare against (e.g. `git archive` of main): its "
+                        "own bench/engine.py runs first, same card, and each line gets its figures")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--prefill-attention", default="auto", choices=["auto", "varlen", "sdpa"],
                    help="the engine's prefill attention (varlen: FlashAttention, CUDA bf16/fp16)")
@@ -187,6 +257,8 @@ def main() -> None:
     p.add_argument("--prefill-shapes", action="store_true",
                    help="first: prefill cost at 8 new (batch, prompt length) shapes, then again")
     p.add_argument("--profile", action="store_true", help="cProfile one run per batch (stderr)")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="torch.profiler over one run per batch: host time per op, kernels (stderr)")
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -199,6 +271,9 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     path = build_model(args.model)
+    base = baseline_figures(args) if args.baseline_tree else {}
+    if cuda and args.hbm_gbps is None:
+        args.hbm_gbps = hbm_gbps(device)
 
     steps, info = asyncio.run(bench_engine(args, path, device))
     if cuda:
@@ -226,6 +301,12 @@ def main() -> None:
             "hf_ms_per_step": round(hf[b] * 1000, 3) if b in hf else None,
             "speedup_vs_hf": round(hf[b] / s, 2) if b in hf else None,
             "hbm_bound_tok_per_s": round(b * args.hbm_gbps * 1e9 / step_bytes, 1) if cuda else None,
+            "hbm_fraction": round(step_bytes / (args.hbm_gbps * 1e9) / s, 4) if cuda else None,
+            "hbm_gbps": round(args.hbm_gbps, 1) if cuda else None,
+            "baseline_ms_per_step": base.get(b, {}).get("ms_per_step"),
+            "baseline_prefill_ms": base.get(b, {}).get("prefill_ms"),
+            "speedup_vs_baseline": round(base[b]["ms_per_step"] / (s * 1000), 2) if b in base else None,
+            "baseline": args.baseline_tree and Path(args.baseline_tree).name,
             "machine": machine(device), "device": str(device), "cuda_graph": info["cuda_graph"],
             "prefill_attention": info["prefill_attention"],
             "prompt_len": args.prompt_len, "new_tokens": [args.n_short, args.n_long]}), flush=True)

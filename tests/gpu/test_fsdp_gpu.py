@@ -57,7 +57,27 @@ def test_packed_attention_bf16_matches_unpacked():
     assert float((packed - alone).abs().mean()) < 0.02, float((packed - alone).abs().mean())
 
 
+def _live_allocations(top: int = 8) -> str:
+    """The live caching-allocator blocks (from `_record_memory_history`), summed by the first frame
+    outside torch that allocated them: what stays on the device, and who made it."""
+    snap = torch.cuda.memory._snapshot()
+    by_site: dict[str, int] = {}
+    for seg in snap["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = [f for f in block.get("frames", []) if f.get("filename", "").endswith(".py")]
+            ours = [f for f in frames if "/torch/" not in f["filename"]] or frames
+            site = " <- ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in ours[:3])
+            by_site[site or "?"] = by_site.get(site or "?", 0) + block["size"]
+    rows = sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+    return "\n".join(f"{n / 2**20:8.1f} MiB  {site}" for site, n in rows)
+
+
 def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()  # what earlier tests in this process still hold
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
     path = build_tiny_model(**MODEL)
     cfg = TrainConfig(model_path=str(path), param_dtype="bfloat16", lr=1e-3,
                       max_tokens_per_microbatch=512, compile=False)  # (compiled graphs keep buffers)
@@ -96,8 +116,10 @@ def test_train_bf16_then_sleep_frees_memory_and_wake_resumes():
                      for v in s.values() if isinstance(v, torch.Tensor) and local(v).is_cuda)
         backend.sleep()
         asleep = torch.cuda.memory_allocated()
-        print(f"memory_allocated: awake {awake / 2**20:.1f} MiB, asleep {asleep / 2**20:.1f} MiB, "
-              f"state {state / 2**20:.1f} MiB")
+        live = _live_allocations()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print(f"memory_allocated: before init {before / 2**20:.1f} MiB, awake {awake / 2**20:.1f} MiB, "
+              f"asleep {asleep / 2**20:.1f} MiB, state {state / 2**20:.1f} MiB; live asleep:\n{live}")
         # parameters and optimizer state (and any gradients) leave; a few buffers may stay
         assert awake - asleep >= state, (awake, asleep, state)
         assert asleep < 0.1 * awake, (awake, asleep)

@@ -20,6 +20,11 @@ Design decisions:
   others in vocabulary order; each row always takes the same path, whatever its batch neighbours do.
 - temperature == 0 (or top_k == 1) is greedy: argmax of the processed logits (first index on ties,
   like transformers).
+- A "plain" batch (no top-k/top-p/min-p truncation on its sampled rows, no banned tokens, no
+  logit_bias, no top logprobs: every RL rollout) is sampled by `sample_plain`, static-shape tensor
+  ops with the per-row parameters as tensors, so the CUDA decode graph runs it after the lm_head
+  (runner.py); it computes the same function as `sample` row for row (greedy rows take the
+  argmax, sampled rows the inverse CDF of softmax(logits / T), logprobs at the rows' T).
 """
 
 from __future__ import annotations
@@ -145,6 +150,39 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, uniforms: torch.Tensor | Non
         top_logits, out.top_ids = torch.topk(lp_logits, min(sb.top_logprobs_num, V), dim=-1)
         out.top_logprobs = top_logits - lse[:, None]
     return out
+
+
+def is_plain(sb: SamplingBatch, vocab_size: int) -> bool:
+    """Can `sample_plain` sample this batch (see the module docstring)?"""
+    if sb.banned or sb.biases or sb.top_logprobs_num > 0:
+        return False
+    for t, k, p, m in zip(sb.temperatures, sb.top_ks, sb.top_ps, sb.min_ps):
+        if t > 0.0 and k != 1 and (p < 1.0 or k < vocab_size or m > 0.0):
+            return False
+    return True
+
+
+def plain_params(sb: SamplingBatch) -> np.ndarray:
+    """[3, B] float32 rows for `sample_plain`: logprob temperature (T, 1 for greedy rows), uniform,
+    greedy flag (1.0: argmax). Uniforms are drawn for every row (greedy rows ignore theirs)."""
+    temps = np.asarray(sb.temperatures, dtype=np.float32)
+    greedy = (temps <= 0.0) | (np.asarray(sb.top_ks) == 1)
+    out = np.empty((3, len(temps)), dtype=np.float32)
+    out[0] = np.where(temps > 0.0, temps, np.float32(1.0))
+    out[1] = splitmix_uniform(np.asarray(sb.seeds, dtype=np.int64), np.asarray(sb.steps, dtype=np.int64))
+    out[2] = greedy
+    return out
+
+
+def sample_plain(logits: torch.Tensor, lp_temps: torch.Tensor, uniforms: torch.Tensor,
+                 greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for a plain batch, every per-row parameter a [B] tensor (no host data, no
+    data-dependent shapes: it is captured in the decode graph). Returns (tokens int64, logprobs)."""
+    lp_logits = logits / lp_temps[:, None]  # exact for T = 1: the same values `sample` uses
+    lse = torch.logsumexp(lp_logits, dim=-1)
+    drawn = _inverse_cdf(torch.softmax(lp_logits, dim=-1), uniforms)
+    tokens = torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+    return tokens, lp_logits.gather(1, tokens[:, None])[:, 0] - lse
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

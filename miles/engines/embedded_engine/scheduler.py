@@ -527,6 +527,10 @@ class Scheduler:
         sb = self._sampling_batch(batch)
 
         def compute():
+            if not capture:  # plain batches: sampled in the CUDA graph, one wait per step
+                fused = self.runner.decode_sampled(ids, positions, rows, out_slots, sb)
+                if fused is not None:
+                    return (*fused, None), None
             uniforms = device_uniforms(sb, self.runner.device)
             logits, routing = self.runner.decode(ids, positions, rows, out_slots, capture)
             return _to_host(sample(logits, sb, uniforms)), routing
