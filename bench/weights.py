@@ -195,12 +195,10 @@ def hf_tensors(model, bucket_bytes: int):
 def run_update_for(model, transport, version: int, bucket_bytes: int):
     """What FSDPBackend.update_weights does on the sender rank, on a plain (unsharded) model."""
     from miles.backends.hf_weights import iter_hf_weight_buckets
+    from miles.weights.base import send_weights
 
     def run() -> None:
-        transport.begin(version)
-        for bucket in iter_hf_weight_buckets(model, bucket_bytes):
-            transport.send_bucket(bucket)
-        transport.finish(version)
+        send_weights(transport, version, iter_hf_weight_buckets(model, bucket_bytes))
     return run
 
 

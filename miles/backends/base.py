@@ -115,7 +115,8 @@ class TrainingBackend(ABC):
     def update_weights(self, transport: WeightTransport, version: int) -> None:
         """Send the current weights (HF names, full tensors, in buckets) as `version`.
 
-        On ranks where `transport.is_sender`: begin(version), send_bucket(...)*, finish(version).
+        Every rank: `send_weights(transport, version, buckets)` (miles/weights/base.py), which
+        hands them to `transport.send` where `transport.traits.sender`.
         Engines are paused around this call by the publisher, not here.
         """
 

@@ -89,7 +89,7 @@ from miles.backends.router_replay import (RouterReplay, agree_on_routing, finish
                                           micro_batch_routing, routed)
 from miles.backends.teacher import (builds_teacher, carried_teacher_logprobs, check_teacher_config,
                                     check_teacher_vocab, teacher_reverse_kl, uses_teacher)
-from miles.weights.base import WeightTransport
+from miles.weights.base import WeightTransport, send_weights
 from miles.wire.messages import BatchIndex, Sample
 
 log = logging.getLogger(__name__)
@@ -401,14 +401,7 @@ class FSDPBackend(TrainingBackend):
             transport.publish_local(self.policy.lm, version, bucket_bytes=self.cfg.update_bucket_bytes,
                                     dtype=self.compute_dtype)
             return
-        sender = transport.is_sender
-        if sender:
-            transport.begin(version)
-        for bucket in self.iter_hf_weight_buckets():
-            if sender:
-                transport.send_bucket(bucket)
-        if sender:
-            transport.finish(version)
+        send_weights(transport, version, self.iter_hf_weight_buckets())
 
     def _publishes_local_shards(self, transport: WeightTransport) -> bool:
         """The P2P transport itself (not wrapped: a checksum tap or quantize-on-export needs the

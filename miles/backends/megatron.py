@@ -88,7 +88,7 @@ from miles.backends.optim import lr_at
 from miles.backends.packing import PackedMicroBatch, plan_batch
 from miles.backends.router_replay import agree_on_routing, micro_batch_routing
 from miles.backends.teacher import builds_teacher, uses_teacher
-from miles.weights.base import WeightTransport
+from miles.weights.base import WeightTransport, send_weights
 from miles.wire.messages import BatchIndex, Sample
 
 log = logging.getLogger(__name__)
@@ -499,14 +499,7 @@ class MegatronBackend(TrainingBackend):
                                       dtype=self.dtype)
 
     def update_weights(self, transport: WeightTransport, version: int) -> None:
-        sender = transport.is_sender
-        if sender:
-            transport.begin(version)
-        for bucket in self.iter_hf_weight_buckets():
-            if sender:
-                transport.send_bucket(bucket)
-        if sender:
-            transport.finish(version)
+        send_weights(transport, version, self.iter_hf_weight_buckets())
 
     def save_model(self, path: str | Path, hf: bool = False, extra_state: dict[str, Any] | None = None) -> None:
         self._require_awake("save_model")

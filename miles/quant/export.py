@@ -4,17 +4,17 @@
 
 Design decisions:
 - The seam is the transport, not the backends: FSDP and Megatron both end in
-  `transport.send_bucket(full tensors under HF names)`, so one wrapper (made by make_transport
-  when `quant.rollout` is not "bf16") covers both, every transport, and the engines get
-  SGLang's names (`.weight` + `.weight_scale_inv`, ...; formats.PARTS). A quantized weight's
+  `send_weights(transport, version, buckets of full tensors under HF names)`, so one wrapper
+  (made by make_transport when `quant.rollout` is not "bf16") covers both, every transport,
+  and the engines get SGLang's names (`.weight` + `.weight_scale_inv`, ...; formats.PARTS). A quantized weight's
   parts always travel in one bucket; a transport may still split them by dtype (nccl's flat
   buckets), and the engine reassembles them by name.
 - The check-weights tap sits outside this wrapper and asks `engine_view(name, tensor)` for
   what the engine will hold: dequantize(quantize(w)). The quantization done for that view is
-  kept for the `send_bucket` that follows (same name, same tensor object), so checking does not
+  kept for the bucket that follows (same name, same tensor object), so checking does not
   quantize twice.
-- Refusals never raise from `send_bucket` (the backend must keep iterating: the gather is
-  collective); the first one is kept, later buckets are dropped, and `finish` raises it. A
+- A refusal drops the rest of the buckets (the backend's `send_weights` still iterates them to
+  the end: the gather is collective) and `send` raises it, before the inner transport finishes. A
   non-finite weight is refused (fp8 block, NVFP4 and INT4 cannot encode it, and a NaN weight
   should not reach a rollout in any format), as is a user keep pattern that matched nothing in a
   whole publish (a typo would silently quantize what was meant to stay BF16).
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from miles.quant.formats import QuantizedTensor, check_format, dequantize, quantize
 from miles.quant.keep import KeepList
-from miles.weights.base import DelegatingTransport, WeightTransport
+from miles.weights.base import DelegatingTransport, NamedTensors, WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ class QuantizingTransport(DelegatingTransport):
         self.group_size = group_size
         self.raw_fp8 = raw_fp8
         self._cache: dict[str, tuple[torch.Tensor, QuantizedTensor]] = {}
-        self._error: BaseException | None = None
         self.quantize_s = 0.0        # the last publish: seconds spent quantizing
         self.quantized: list[str] = []  # the last publish: names sent quantized
         self.kept: list[str] = []       # ... and names sent as they were
@@ -87,17 +87,19 @@ class QuantizingTransport(DelegatingTransport):
 
     # --- the transport ----------------------------------------------------------------------
 
-    def begin(self, version: int) -> None:
-        self._error, self._cache = None, {}
+    def send(self, version: int, buckets: Iterable[NamedTensors]) -> None:
+        self._cache = {}
         self.quantize_s, self.quantized, self.kept = 0.0, [], []
         self.keep.reset()
-        self.inner.begin(version)
+        self.inner.send(version, self._quantized(buckets))
+        log.info("version %d in %s: %d tensors quantized, %d kept, %.3f s quantizing", version,
+                 self.fmt, len(self.quantized), len(self.kept), self.quantize_s)
 
-    def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self._error is not None:
-            return
-        wire: list[tuple[str, torch.Tensor]] = []
-        try:
+    def _quantized(self, buckets: Iterable[NamedTensors]) -> Iterator[NamedTensors]:
+        """Each bucket in the wire format; a refusal (here or an unused keep pattern at the end)
+        is raised into the inner transport's `send`, so it never finishes a partial version."""
+        for named_tensors in buckets:
+            wire: NamedTensors = []
             for name, t in named_tensors:
                 cached = self._cache.pop(name, None)
                 if cached is not None and cached[0] is t:
@@ -110,22 +112,12 @@ class QuantizingTransport(DelegatingTransport):
                     continue
                 wire.extend(wire_parts(q, module_of(name), self.raw_fp8))
                 self.quantized.append(name)
-        except Exception as e:  # noqa: BLE001 - raised from finish, see the module docstring
-            self._error = e
-            return
-        self.inner.send_bucket(wire)
-
-    def finish(self, version: int) -> None:
+            yield wire
         unused = self.keep.unused()
-        if self._error is None and unused:
-            self._error = ValueError(f"quant.keep_bf16: {unused} matched none of the "
-                                     f"{len(self.quantized) + len(self.kept)} tensors published "
-                                     "(patterns match exactly, as a module prefix, or as a glob)")
-        if self._error is not None:
-            raise self._error
-        self.inner.finish(version)
-        log.info("version %d in %s: %d tensors quantized, %d kept, %.3f s quantizing", version,
-                 self.fmt, len(self.quantized), len(self.kept), self.quantize_s)
+        if unused:
+            raise ValueError(f"quant.keep_bf16: {unused} matched none of the "
+                             f"{len(self.quantized) + len(self.kept)} tensors published "
+                             "(patterns match exactly, as a module prefix, or as a glob)")
 
     # --- everything else is the inner transport's (DelegatingTransport) ------------------------
 

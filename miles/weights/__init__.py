@@ -12,6 +12,8 @@ import importlib
 _EXPORTS = {
     "WeightTransport": "miles.weights.base",
     "TransferStats": "miles.weights.base",
+    "TransportTraits": "miles.weights.base",
+    "send_weights": "miles.weights.base",
     "WeightsConfig": "miles.weights.config",
     "make_transport": "miles.weights.factory",
     "WeightPublisher": "miles.weights.publisher",

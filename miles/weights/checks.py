@@ -1,8 +1,8 @@
 """check_weights: every engine parameter's checksum equals the trainer's, after every publish.
 
 Design decisions:
-- The trainer's side is computed on the very tensors that stream through `send_bucket` (HF
-  names, full tensors), cast to the engines' dtype first, so nothing extra is gathered and the
+- The trainer's side is computed on the very tensors that stream through `send` (HF names,
+  full tensors), cast to the engines' dtype first, so nothing extra is gathered and the
   check covers renaming and expert splitting too. `ChecksumTap` wraps any transport to do that.
 - With a quantized rollout (miles/quant/export.py) the tap checksums `engine_view(name, tensor)`,
   the trainer's dequantize(quantize(w)), against the engine's dequantized parameter: the
@@ -28,10 +28,11 @@ Design decisions:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 
-from miles.weights.base import DelegatingTransport, WeightTransport
+from miles.weights.base import DelegatingTransport, NamedTensors, WeightTransport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,26 +81,26 @@ CHECKSUMS = {"device": device_digest, "sha256": tensor_sha256}
 class ChecksumTap(DelegatingTransport):
     """Forwards every call to `inner` and records the checksum of each tensor it sends."""
 
-    def __init__(self, inner: WeightTransport, algorithm: str = "auto"):
+    def __init__(self, inner: WeightTransport, algorithm: str = "auto", *, engine_view=None):
         if algorithm not in (*CHECKSUMS, "auto"):
             raise ValueError(f"weights.checksum={algorithm!r} is not one of auto, {', '.join(CHECKSUMS)}")
         self.inner = inner
         self.algorithm = algorithm
         self.checksum_dtype: torch.dtype | None = None   # the publisher sets the engines' dtype
         self.sent_checksums: dict[str, str] = {}
-        self.engine_view = None  # (name, tensor) -> what the engine holds; None: the tensor itself
+        self.engine_view = engine_view  # (name, tensor) -> what the engine holds; None: itself
 
-    def begin(self, version: int) -> None:
+    def send(self, version: int, buckets: Iterable[NamedTensors]) -> None:
         self.sent_checksums = {}
-        self.inner.begin(version)
+        self.inner.send(version, (self._record(bucket) for bucket in buckets))
 
-    def send_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _record(self, named_tensors: NamedTensors) -> NamedTensors:
         for name, t in named_tensors:
             if self.algorithm == "auto":
                 self.algorithm = "device" if t.is_cuda else "sha256"
             view = t if self.engine_view is None else self.engine_view(name, t)
             self.sent_checksums[name] = CHECKSUMS[self.algorithm](view, self.checksum_dtype)
-        self.inner.send_bucket(named_tensors)
+        return named_tensors
 
 
 def compare_checksums(trainer: dict[str, str], engine: dict[str, str], *, url: str, version: int,

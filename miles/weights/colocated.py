@@ -15,8 +15,8 @@ Design decisions:
   exported tensor whose name, shape and dtype match straight into the engine's view of it once
   the engines are paused: one device copy per byte, no flat bucket, no engine-side copy. One
   `miles_cuda_ipc_direct` call per publish, posted as the writes start, checks the engine
-  instance's token, flushes its prefix cache and sets the version (`sets_version`), so it costs
-  the stall nothing. Buckets handed over while the engines are still pausing are matched and held
+  instance's token, flushes its prefix cache and sets the version (`traits.sets_version`), so it
+  costs the stall nothing. Buckets handed over while the engines are still pausing are matched and held
   (up to queue_depth buckets' bytes), not waited on: the trainer gathers the next ones meanwhile,
   and the writes start at the gate. Whatever has no view (FP8-held linears, quantized formats)
   still goes by flat buckets. Each publish first checks the engine's token (overlapped with the pause), and maps a
@@ -37,7 +37,7 @@ import torch
 
 from miles.engines.client import EngineRequestError
 from miles.weights import cuda_ipc
-from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.base import BucketStream, TransferStats, TransportTraits
 from miles.weights.buckets import Coalescer, FlatBucket, SendPipeline, wait_stream
 from miles.weights.config import WeightsConfig
 from miles.weights.cuda_ipc import FORMAT, encode_bucket
@@ -46,13 +46,11 @@ from miles.weights.engine_calls import EngineCallError, EngineCalls
 log = logging.getLogger(__name__)
 
 
-class ColocatedTransport(WeightTransport):
-    uses_send_gate = True   # no engine call before the publisher has paused them all
+class ColocatedTransport(BucketStream):
 
     def __init__(self, config: WeightsConfig, *, rank: int = 0, world_size: int = 1):
         self.cfg = config
         self.rank, self.world_size = rank, world_size
-        self.is_sender = True
         self.engine_url = ""
         self._calls: EngineCalls | None = None
         self._stats = TransferStats()
@@ -69,10 +67,12 @@ class ColocatedTransport(WeightTransport):
         self._t0, self.phases = 0.0, {}
 
     @property
-    def sets_version(self) -> bool:  # type: ignore[override]
-        # the direct call sets it on this rank's engine (even when no tensor went direct); with
-        # several trainer ranks the publisher still sets it on every engine
-        return bool(self._token) and self.world_size == 1
+    def traits(self) -> TransportTraits:  # type: ignore[override]
+        # Every rank sends (to its own engine); no engine call before the publisher has paused
+        # them all. The direct call sets the version on this rank's engine (even when no tensor
+        # went direct); with several trainer ranks the publisher still sets it on every engine.
+        return TransportTraits(send_gate=True,
+                               sets_version=bool(self._token) and self.world_size == 1)
 
     def connect(self, engine_urls: list[str]) -> None:
         if not torch.cuda.is_available():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.base import BucketStream, TransferStats, TransportTraits
 from miles.weights.config import WeightsConfig
 from miles.weights.engine_calls import EngineCalls
 
@@ -58,11 +58,11 @@ def prune(root: Path, prefix: str, keep: int, current: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-class DiskTransport(WeightTransport):
+class DiskTransport(BucketStream):
     def __init__(self, config: WeightsConfig, *, source_dir: str | Path | None, is_sender: bool = True):
         self.cfg = config
         self.source_dir = Path(source_dir) if source_dir else None
-        self.is_sender = is_sender
+        self.traits = TransportTraits(sender=is_sender)
         self.root = Path(config.disk_dir)
         self._calls: EngineCalls | None = None
         self._stats = TransferStats()
@@ -70,7 +70,7 @@ class DiskTransport(WeightTransport):
         self._tmp: Path | None = None
 
     def connect(self, engine_urls: list[str]) -> None:
-        if not self.is_sender:
+        if not self.traits.sender:
             return
         if self.source_dir is None or not (self.source_dir / "config.json").is_file():
             raise ValueError(f"transport={self.cfg.transport!r} copies config.json from the model's "

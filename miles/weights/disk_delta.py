@@ -10,10 +10,10 @@ Flow of one publish (the publisher drives it; the engines never stop generating)
                  the version with them                                   engines serving
 
 Design decisions:
-- No pause (`pause_during_transfer = False`, and the publisher pauses such a transport never):
+- No pause (`traits.pauses_engines = False`, and the publisher pauses such a transport never):
   the engine's apply holds its step lock for the swap, which is what a pause would buy, and
-  sets the version under the same lock (`sets_version`), so requests in flight continue on the
-  new weights and their `weight_versions` spans say from which token. The stall is the commit's
+  sets the version under the same lock (`traits.sets_version`), so requests in flight continue on
+  the new weights and their `weight_versions` spans say from which token. The stall is the commit's
   own time (the publisher's `load_s`); `weights/changed_frac` says how much of the model moved.
 - Double-buffered on the engine side (miles/engines/embedded_engine/delta.py): a staged tensor
   becomes the live weight where it can (a pointer swap), else it is copied in. Each engine's
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.base import BucketStream, TransferStats, TransportTraits
 from miles.weights.config import WeightsConfig
 from miles.weights.delta_format import DeltaWriter, encode_tensors
 from miles.weights.disk import prune, version_dir
@@ -65,13 +65,12 @@ def tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     return out.copy() if aliases else out
 
 
-class DiskDeltaTransport(WeightTransport):
-    pause_during_transfer = False  # nor during the commit: see the module docstring
-    sets_version = True            # the engine's apply sets it, under the lock of the swap
-
+class DiskDeltaTransport(BucketStream):
     def __init__(self, config: WeightsConfig, *, is_sender: bool = True):
         self.cfg = config
-        self.is_sender = is_sender
+        # no pause, nor during the commit (see the module docstring); the engine's apply sets
+        # the version, under the lock of the swap
+        self.traits = TransportTraits(sender=is_sender, pauses_engines=False, sets_version=True)
         self.root = Path(config.disk_dir)
         self._calls: EngineCalls | None = None
         self._stats = TransferStats()
@@ -87,7 +86,7 @@ class DiskDeltaTransport(WeightTransport):
         self.applied: list[dict] = []   # per engine, from the last commit: swapped, copied, scattered, swap_s
 
     def connect(self, engine_urls: list[str]) -> None:
-        if not self.is_sender:
+        if not self.traits.sender:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         self._calls = EngineCalls(engine_urls, timeout_s=self.cfg.connect_timeout_s, name="weights-delta")

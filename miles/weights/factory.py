@@ -64,9 +64,9 @@ def make_transport(config: WeightsConfig, *, rank: Any = 0, world_size: int | No
         raw_fp8 = name == "nccl"
         transport = QuantizingTransport(transport, quant.format, KeepList(quant.keep_bf16),
                                         group_size=quant.int4_group_size, raw_fp8=raw_fp8)
-    if config.check_weights and transport.is_sender:
+    if config.check_weights and transport.traits.sender:
         from miles.weights.checks import ChecksumTap
-        view = getattr(transport, "engine_view", None)
-        transport = ChecksumTap(transport, config.checksum)
-        transport.engine_view = view
+        from miles.quant.export import QuantizingTransport
+        view = transport.engine_view if isinstance(transport, QuantizingTransport) else None
+        transport = ChecksumTap(transport, config.checksum, engine_view=view)
     return transport

@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from miles.weights.base import GateClosed, TransferStats, WeightTransport
+from miles.weights.base import BucketStream, GateClosed, TransferStats, TransportTraits
 from miles.weights.buckets import BufferPool, Coalescer, FlatBucket, SendPipeline, wait_stream
 from miles.weights.config import WeightsConfig
 from miles.weights.engine_calls import EngineCalls
@@ -56,13 +56,12 @@ def resolve_group_backend(choice: str) -> str:
     return choice
 
 
-class NcclTransport(WeightTransport):
-    sets_version = True     # finish() ends with /update_weight_version on every engine
-    uses_send_gate = True   # no engine call before the publisher has paused them all
-
+class NcclTransport(BucketStream):
     def __init__(self, config: WeightsConfig, *, is_sender: bool = True):
         self.cfg = config
-        self.is_sender = is_sender
+        # finish() ends with /update_weight_version on every engine (sets_version); no engine
+        # call before the publisher has paused them all (send_gate)
+        self.traits = TransportTraits(sender=is_sender, sets_version=True, send_gate=True)
         self.engine_urls: list[str] = []
         self.backend = ""
         self.group_name = ""
@@ -84,7 +83,7 @@ class NcclTransport(WeightTransport):
     # ---- the group ---------------------------------------------------------------------------
 
     def connect(self, engine_urls: list[str]) -> None:
-        if not self.is_sender:
+        if not self.traits.sender:
             return
         if not engine_urls:
             raise ValueError("connect: engine_urls is empty; the nccl transport needs at least one engine")

@@ -1,7 +1,7 @@
 """P2P resharded weight transfer: every trainer rank sends, each engine rank receives only its shards.
 
     plan = make_plan(specs, trainer_world=T, engine=EngineLayout(tp=E))   # pure, data in -> data out
-    P2PTransport(rank, plan, ...)  on every trainer rank (is_sender everywhere)
+    P2PTransport(rank, plan, ...)  on every trainer rank (every rank a sender)
     p2p_receiver.py                on every engine rank (holds its slices)
 
 Design decisions:
@@ -57,7 +57,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from miles.weights.base import TransferStats, WeightTransport
+from miles.weights.base import BucketStream, TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +223,9 @@ class P2PGroup:
         dist.all_reduce(torch.zeros(1, device=self.device or torch.device("cpu")), group=self.pg)
 
 
-class P2PTransport(WeightTransport):
-    """One per trainer rank; `connect` joins the group (the receivers join the same address)."""
-
-    is_sender = True
+class P2PTransport(BucketStream):
+    """One per trainer rank; `connect` joins the group (the receivers join the same address).
+    Every rank sends (the rows it holds): the default traits."""
 
     def __init__(self, rank: int, plan: Plan | None, *, backend: str = "gloo",
                  address: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,

@@ -2,21 +2,26 @@
 
     report = await publisher.publish(version, run_update)
 
-    pause (in_place | retract) -> run_update (begin, buckets, finish) -> update_weight_version
-    -> continue_generation [-> check_weights]
+    pause (in_place | retract) -> run_update (transport.send) -> prepare -> commit
+    [-> update_weight_version, unless traits.sets_version] -> continue_generation [-> check_weights]
 
-For a transport whose engines keep serving throughout (disk_delta), no pause at all:
+For a transport whose engines keep serving throughout (disk_delta, `traits.pauses_engines`
+False), the same phases without the pause:
 
     run_update -> prepare (engines decode + verify) -> commit (each engine swaps between two of
     its steps) [-> update_weight_version, unless the commit set it] [-> check_weights]
+
+Every transport goes through the same phases (miles/weights/base.py); what differs is read off
+its `TransportTraits`, never probed.
 
 Design decisions:
 - Plain async Python, not an actor: the Trainer actor on rank 0 owns one and awaits `publish`.
   `run_update` is a callable that runs `backend.update_weights(transport, version)` on this rank
   (the other trainer ranks run theirs at the same time, the gather is collective); it is blocking
   torch code, so it runs in a worker thread and the event loop keeps serving heartbeats.
-- Transports that promise not to touch an engine before a gate opens (nccl, colocated) start
-  gathering at once; the gate opens when every engine has paused. The pause round trip and the
+- Transports that promise not to touch an engine before a gate opens (`traits.send_gate`: nccl,
+  colocated) start
+gathering at once; the gate opens when every engine has paused. The pause round trip and the
   first buckets' gather overlap instead of adding up.
 - Every step has its own timeout (WeightsConfig). A thread cannot be killed: when `run_update`
   overruns, the publisher abandons the version (the transport tears its link down, which also
@@ -26,7 +31,7 @@ Design decisions:
   `WeightPublishError` that names the version, the step, the transport and the cause, and says
   what the engines now hold.
 - The version is set on every engine with `/update_weight_version` after the transfer (by the
-  transport itself when it says `sets_version`), so requests that crossed the update report both
+  transport itself when its traits say `sets_version`), so requests that crossed the update report both
   versions in their `weight_versions` spans.
 - The publisher publishes to the set it was made with. Surviving an engine that dies during a
   publish is the trainer's job (actors/trainer.py): it asks `reachable_engines()`, reconnects the
@@ -34,7 +39,7 @@ Design decisions:
   a collective that every trainer rank must repeat.
 - Stall time is the figure (`PublishReport.metrics`): pause request -> resume answer, split into
   pause, transfer, load, version and resume on one clock, so the parts add up to it exactly.
-  A transport that says `pause_during_transfer = False` is never paused: the engine's commit
+  A transport whose traits say `pauses_engines = False` is never paused: the engine's commit
   lands between two of its scheduler steps (held under its step lock, which is all a pause
   buys), requests in flight continue on the new weights, and its stall is the commit (`load_s`)
   plus the version call if the commit did not set it; pause, transfer and resume are 0.
@@ -56,7 +61,7 @@ import msgspec
 
 from miles.engines.client import EngineClient, EngineError
 from miles.weights.base import SendGate, WeightTransport
-from miles.weights.checks import DTYPES, WeightsMismatch, compare_checksums
+from miles.weights.checks import DTYPES, ChecksumTap, WeightsMismatch, compare_checksums
 from miles.weights.config import WeightsConfig
 from miles.weights.factory import make_transport  # noqa: F401 - the public entry point lives here too
 
@@ -159,7 +164,8 @@ class WeightPublisher:
         paused_at = resumed_at = swap_at = None
         transfer_s = prepare_s = load_s = 0.0
         asked_at = transferred_at = versioned_at = None  # stall clock (see PublishReport)
-        gated = tr.pause_during_transfer and tr.uses_send_gate
+        pauses, phase = tr.traits.pauses_engines, []  # phase: the paused prepare/commit hop
+        gated = pauses and tr.traits.send_gate
         try:
             t = time.perf_counter()
             transfer = None
@@ -168,7 +174,7 @@ class WeightPublisher:
                 transfer = asyncio.ensure_future(self._in_thread(
                     run_update, timeout_s=cfg.transfer_timeout_s,
                     what=f"run_update (gather + send of version {version})"))
-            if tr.pause_during_transfer:
+            if pauses:
                 paused_at = asked_at = time.perf_counter()
                 try:
                     await self._pause(version)
@@ -189,7 +195,14 @@ class WeightPublisher:
             transferred_at = time.perf_counter()
             transfer_s = transferred_at - t
             load_s = tr.stats.load_s
-            if not tr.pause_during_transfer:
+            if pauses:  # the engines are paused: prepare and commit in one hop (usually no-ops)
+                await self._in_thread(self._prepare_commit, version, phase,
+                                      timeout_s=cfg.prepare_timeout_s + cfg.commit_timeout_s + 30.0,
+                                      what="prepare + commit")
+                committed_at = time.perf_counter()
+                load_s += committed_at - transferred_at
+                transferred_at = committed_at
+            else:
                 step = "prepare"
                 t = time.perf_counter()
                 await self._in_thread(tr.prepare, version, timeout_s=cfg.prepare_timeout_s + 30.0,
@@ -202,11 +215,13 @@ class WeightPublisher:
                 transferred_at = time.perf_counter()
                 load_s = transferred_at - swap_at
             step = "version"
-            if not tr.sets_version:
+            if not tr.traits.sets_version:
                 await self._each("update_weight_version", version, timeout_s=cfg.control_timeout_s)
             versioned_at = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - CancelledError too: engines must resume
             failure = e
+            if step == "transfer" and phase:
+                step = phase[-1]
             try:
                 await asyncio.wait_for(asyncio.to_thread(tr.abandon, version), cfg.control_timeout_s)
             except BaseException as ae:  # noqa: BLE001
@@ -238,7 +253,7 @@ class WeightPublisher:
             transfer_s=transfer_s, prepare_s=prepare_s, check_s=check_s, tensors=stats.tensors,
             bytes=stats.bytes, payload_bytes=stats.payload_bytes, buckets=stats.buckets,
             direct_tensors=stats.direct_tensors, checked=cfg.check_weights)
-        if not tr.pause_during_transfer:
+        if not pauses:
             report.background_s = transfer_s + prepare_s
         if stats.elements:
             report.changed_frac = stats.changed_elements / stats.elements
@@ -254,7 +269,7 @@ class WeightPublisher:
 
     def _failure_message(self, version: int, step: str, error: BaseException, resume_error) -> str:
         cause = str(error) or type(error).__name__
-        if step in ("pause", "prepare"):
+        if step == "pause" or (step == "prepare" and not self.transport.traits.pauses_engines):
             held = "their previous weights and version (nothing was changed)"
         elif step == "version":
             held = (f"the new weights, but not every engine reports version {version} (their "
@@ -266,12 +281,19 @@ class WeightPublisher:
         else:
             held = ("their previous weight_version; their weights may be partially updated until "
                     "the next publish overwrites them")
-        if not self.transport.pause_during_transfer:
+        if not self.transport.traits.pauses_engines:
             resumed = "Engines were never paused"
         else:
             resumed = "Engines were resumed" if resume_error is None else f"Resuming failed too: {resume_error}"
         return (f"publish of version {version} failed at step {step!r} (transport "
                 f"{self.cfg.transport!r}): {cause}. {resumed}; they hold {held}.")
+
+    def _prepare_commit(self, version: int, phase: list[str]) -> None:
+        """(paused engines) prepare then commit; `phase` says which one ran last."""
+        phase.append("prepare")
+        self.transport.prepare(version)
+        phase.append("commit")
+        self.transport.commit(version)
 
     # ---- engine calls ------------------------------------------------------------------------
 
@@ -313,10 +335,10 @@ class WeightPublisher:
 
     async def _prepare_check(self, version: int) -> None:
         tr = self.transport
-        if not hasattr(tr, "sent_checksums"):
+        if not isinstance(tr, ChecksumTap):
             raise ValueError("weights.check_weights=true needs a transport built by make_transport() "
                              "(it records what is sent); got " + type(tr).__name__)
-        if getattr(tr, "checksum_dtype", None) is None:
+        if tr.checksum_dtype is None:
             infos = await self._each("model_info", timeout_s=self.cfg.control_timeout_s)
             dtypes = {str(i.get("dtype")) for i in infos}
             if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
@@ -327,12 +349,16 @@ class WeightPublisher:
 
     async def check(self, version: int) -> None:
         """Every engine's parameters equal what the trainer sent for `version`, or WeightsMismatch."""
-        sent = dict(self.transport.sent_checksums)
+        tap = self.transport
+        if not isinstance(tap, ChecksumTap):
+            raise WeightsMismatch(f"check_weights: version {version}: the transport records no "
+                                  f"checksums ({type(tap).__name__}; make_transport() wraps it)")
+        sent = dict(tap.sent_checksums)
         if not sent:
             raise WeightsMismatch(f"check_weights: version {version}: the trainer sent nothing "
                                   "(did run_update call the transport on this rank?)")
         try:
-            sums = await self._each("weights_checksum", algorithm=self.transport.algorithm,
+            sums = await self._each("weights_checksum", algorithm=tap.algorithm,
                                     timeout_s=self.cfg.check_timeout_s)
         except RuntimeError as e:
             raise WeightsMismatch(f"check_weights: version {version}: could not read engine "

@@ -33,7 +33,7 @@ from miles.backends.batch import number_batch  # noqa: E402
 from miles.backends.fsdp import FSDPBackend  # noqa: E402
 from miles.backends.packing import pack_samples  # noqa: E402
 from miles.tiny import build_tiny_model  # noqa: E402
-from miles.weights.base import WeightTransport  # noqa: E402
+from miles.weights.base import BucketStream, TransportTraits  # noqa: E402
 
 
 class GradCapture(FSDPBackend):
@@ -48,9 +48,9 @@ class GradCapture(FSDPBackend):
         return super()._optimizer_step(phase)
 
 
-class RecordingTransport(WeightTransport):
+class RecordingTransport(BucketStream):
     def __init__(self, is_sender: bool):
-        self.is_sender = is_sender
+        self.traits = TransportTraits(sender=is_sender)
         self.calls: list[str] = []
         self.tensors: dict[str, torch.Tensor] = {}
         self.bucket_bytes: list[int] = []

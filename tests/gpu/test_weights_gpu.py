@@ -29,7 +29,7 @@ from miles.backends.hf_weights import iter_hf_weight_buckets  # noqa: E402
 from miles.engines.client import EngineClient  # noqa: E402
 from miles.engines.embedded import launch_embedded_engine  # noqa: E402
 from miles.tiny import build_tiny_model  # noqa: E402
-from miles.weights import WeightPublisher, WeightsConfig, make_transport  # noqa: E402
+from miles.weights import WeightPublisher, WeightsConfig, make_transport, send_weights  # noqa: E402
 
 MODEL = dict(arch="qwen3", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, head_dim=64)
@@ -45,10 +45,7 @@ def plain_model(path, device: str):
 def run_update(model, transport, version: int, bucket_bytes: int = 4 << 20):
     """FSDPBackend.update_weights on the sender rank, for a plain model."""
     def run():
-        transport.begin(version)
-        for bucket in iter_hf_weight_buckets(model, bucket_bytes):
-            transport.send_bucket(bucket)
-        transport.finish(version)
+        send_weights(transport, version, iter_hf_weight_buckets(model, bucket_bytes))
     return run
 
 

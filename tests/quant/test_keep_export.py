@@ -7,7 +7,7 @@ import torch
 
 from miles.quant.export import QuantizingTransport
 from miles.quant.keep import DEFAULT_KEEP, KeepList, matches
-from miles.weights.base import WeightTransport
+from miles.weights.base import BucketStream, send_weights
 
 
 def test_patterns_match_exactly_by_prefix_or_glob_never_by_substring():
@@ -39,7 +39,7 @@ def test_user_patterns_count_hits():
     assert keep.unused() == ["model.layers.30.*"]
 
 
-class Recorder(WeightTransport):
+class Recorder(BucketStream):
     """The transport contract, recording what it is given (the e2e tests use real ones)."""
 
     def __init__(self):
@@ -63,12 +63,16 @@ def test_parts_travel_together_under_sglang_names_and_the_view_is_not_quantized_
     import miles.quant.export as export
     real = export.quantize
     monkeypatch.setattr(export, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
-    tr.begin(1)
-    view = tr.engine_view("m.layers.0.mlp.up_proj.weight", w)
-    assert tr.engine_view("m.layers.0.input_layernorm.weight", norm) is norm
-    tr.send_bucket([("m.layers.0.mlp.up_proj.weight", w), ("m.layers.0.input_layernorm.weight", norm)])
-    tr.finish(1)
-    assert len(calls) == 1  # the tap's quantization was reused by send_bucket
+    views = []
+
+    def tapped():  # what the checksum tap does: it asks for the view as the bucket passes
+        views.append(tr.engine_view("m.layers.0.mlp.up_proj.weight", w))
+        assert tr.engine_view("m.layers.0.input_layernorm.weight", norm) is norm
+        yield [("m.layers.0.mlp.up_proj.weight", w), ("m.layers.0.input_layernorm.weight", norm)]
+
+    tr.send(1, tapped())
+    (view,) = views
+    assert len(calls) == 1  # the tap's quantization was reused for the bucket
     (bucket,) = inner.sent
     assert [n for n, _ in bucket] == ["m.layers.0.mlp.up_proj.weight",
                                       "m.layers.0.mlp.up_proj.weight_scale_inv",
@@ -77,25 +81,27 @@ def test_parts_travel_together_under_sglang_names_and_the_view_is_not_quantized_
     assert inner.finished == [1] and tr.quantize_s > 0
 
 
-def test_a_nan_weight_is_refused_at_finish_and_later_buckets_are_dropped():
+def test_a_nan_weight_is_refused_before_the_inner_finishes_and_every_bucket_is_walked():
     inner = Recorder()
     tr = QuantizingTransport(inner, "mxfp4", KeepList(), raw_fp8=True)
     bad = torch.zeros(4, 32)
     bad[1, 2] = float("nan")
-    tr.begin(3)
-    tr.send_bucket([("a.weight", bad)])          # must not raise: the gather is collective
-    tr.send_bucket([("b.weight", torch.zeros(4, 32))])
+    walked = []
+
+    def buckets():  # the gather is collective: send_weights walks it to the end anyway
+        for name, t in (("a.weight", bad), ("b.weight", torch.zeros(4, 32))):
+            walked.append(name)
+            yield [(name, t)]
+
     with pytest.raises(ValueError, match=r"'a\.weight' has 1 non-finite values"):
-        tr.finish(3)
-    assert inner.sent == [] and inner.finished == []
+        send_weights(tr, 3, buckets())
+    assert inner.sent == [] and inner.finished == [] and walked == ["a.weight", "b.weight"]
 
 
 def test_raw_fp8_sends_bytes():
     inner = Recorder()
     tr = QuantizingTransport(inner, "nvfp4", KeepList(), raw_fp8=True)
-    tr.begin(1)
-    tr.send_bucket([("x.weight", torch.randn(4, 32))])
-    tr.finish(1)
+    tr.send(1, [[("x.weight", torch.randn(4, 32))]])
     dtypes = {n: t.dtype for n, t in inner.sent[0]}
     assert dtypes == {"x.weight": torch.uint8, "x.weight_scale": torch.uint8,
                       "x.weight_scale_2": torch.float32}

@@ -21,6 +21,7 @@ from miles.engines.client import EngineClient
 from miles.quant.config import QuantConfig
 from miles.quant.formats import fake_quantize
 from miles.tiny import build_tiny_model
+from miles.weights.base import send_weights
 from miles.weights.checks import WeightsMismatch, tensor_sha256
 from miles.weights.config import WeightsConfig
 from miles.weights.factory import make_transport
@@ -45,10 +46,7 @@ def _model(path):
 
 def _run_update(transport, lm, version, dtype=torch.bfloat16):
     def run():
-        transport.begin(version)
-        for bucket in iter_hf_weight_buckets(lm, 1 << 20, dtype=dtype):
-            transport.send_bucket(bucket)
-        transport.finish(version)
+        send_weights(transport, version, iter_hf_weight_buckets(lm, 1 << 20, dtype=dtype))
     return run
 
 

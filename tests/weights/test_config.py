@@ -52,23 +52,24 @@ def test_python_construction_is_checked_too(kwargs, needle):
 def test_make_transport_picks_senders(tmp_path):
     nccl = WeightsConfig()
     assert isinstance(make_transport(nccl, rank=0), NcclTransport)
-    assert make_transport(nccl, rank=0).is_sender and not make_transport(nccl, rank=1).is_sender
+    assert make_transport(nccl, rank=0).traits.sender
+    assert not make_transport(nccl, rank=1).traits.sender
     # A RankInfo works as well as an int; colocated: every rank feeds its own engine.
     info = RankInfo(rank=1, world_size=2, master_port=1234)
     colo = make_transport(WeightsConfig(transport="colocated"), rank=info)
-    assert isinstance(colo, ColocatedTransport) and colo.is_sender and colo.world_size == 2
+    assert isinstance(colo, ColocatedTransport) and colo.traits.sender and colo.world_size == 2
     disk = make_transport(WeightsConfig(transport="disk", disk_dir=str(tmp_path)), rank=0,
                           model_path="m")
     assert isinstance(disk, DiskTransport) and str(disk.source_dir) == "m"
     delta = make_transport(WeightsConfig(transport="disk_delta", disk_dir=str(tmp_path)), rank=2)
-    assert isinstance(delta, DiskDeltaTransport) and not delta.is_sender
-    assert not delta.pause_during_transfer
+    assert isinstance(delta, DiskDeltaTransport) and not delta.traits.sender
+    assert not delta.traits.pauses_engines and delta.traits.sets_version
 
 
 def test_check_weights_wraps_the_sender_only(tmp_path):
     cfg = WeightsConfig(check_weights=True)
     tap = make_transport(cfg, rank=0)
-    assert isinstance(tap, ChecksumTap) and isinstance(tap.inner, NcclTransport) and tap.is_sender
+    assert isinstance(tap, ChecksumTap) and isinstance(tap.inner, NcclTransport) and tap.traits.sender
     assert not isinstance(make_transport(cfg, rank=1), ChecksumTap)
 
     class Recipe:
@@ -76,4 +77,4 @@ def test_check_weights_wraps_the_sender_only(tmp_path):
             model_path = "from-recipe"
     disk = make_transport(WeightsConfig(transport="disk", disk_dir=str(tmp_path), check_weights=True),
                           recipe=Recipe())
-    assert str(disk.inner.source_dir) == "from-recipe" and disk.pause_during_transfer
+    assert str(disk.inner.source_dir) == "from-recipe" and disk.traits.pauses_engines

@@ -61,9 +61,7 @@ async def test_a_delta_is_applied_while_a_request_keeps_generating(tmp_path):
 
         def run_update(version):
             def run():
-                tap.begin(version)
-                tap.send_bucket([(n, p.detach()) for n, p in model.named_parameters()])
-                tap.finish(version)
+                tap.send(version, [[(n, p.detach()) for n, p in model.named_parameters()]])
             return run
 
         await publisher.publish(1, run_update(1))  # v1: the checkpoint's own weights, raw

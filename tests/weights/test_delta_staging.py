@@ -74,9 +74,7 @@ async def cpu_engine_and_publisher(tmp_path, extra_args: list[str], **weights):
 
         def run_update(version):
             def run():
-                transport.begin(version)
-                transport.send_bucket([(n, p.detach()) for n, p in model.named_parameters()])
-                transport.finish(version)
+                transport.send(version, [[(n, p.detach()) for n, p in model.named_parameters()]])
             return run
 
         yield model, transport, publisher, run_update, client

@@ -423,13 +423,11 @@ def test_checksum_tap_auto_picks_sha256_for_host_tensors_and_refuses_unknown_nam
     from miles.weights.checks import ChecksumTap, tensor_sha256
 
     class Sink:
-        is_sender = True
-
-        def send_bucket(self, named):
-            pass
+        def send(self, version, buckets):
+            list(buckets)
 
     tap = ChecksumTap(Sink())
-    tap.send_bucket([("w", torch.ones(3))])
+    tap.send(1, [[("w", torch.ones(3))]])
     assert tap.algorithm == "sha256" and tap.sent_checksums == {"w": tensor_sha256(torch.ones(3))}
     with pytest.raises(ValueError, match="weights.checksum='md5' is not one of auto, device, sha256"):
         ChecksumTap(Sink(), "md5")

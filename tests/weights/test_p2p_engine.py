@@ -36,7 +36,7 @@ def test_the_recipe_key_makes_a_p2p_transport_on_every_rank():
     cfg = WeightsConfig(transport="p2p")
     for rank in range(2):
         t = make_transport(cfg, rank=rank, world_size=2)
-        assert isinstance(t, P2PTransport) and t.is_sender and t.world_size == 2
+        assert isinstance(t, P2PTransport) and t.traits.sender and t.world_size == 2
     with pytest.raises(ValueError, match="weights.transport='p2q'"):
         WeightsConfig(transport="p2q")
 

@@ -11,7 +11,10 @@ import torch
 from aiohttp import web
 
 from miles.weights import WeightPublisher, WeightPublishError, WeightsConfig
-from miles.weights.base import GateClosed, TransferStats, WeightTransport
+import msgspec
+
+from miles.weights.base import (BucketStream, DelegatingTransport, GateClosed, TransferStats,
+                                TransportTraits, send_weights)
 from miles.weights.checks import ChecksumTap, WeightsMismatch, tensor_sha256
 
 FAST = dict(pause_timeout_s=1.0, control_timeout_s=1.0, transfer_timeout_s=2.0, check_timeout_s=1.0,
@@ -67,10 +70,10 @@ async def engines():
         await r.cleanup()
 
 
-class Recording(WeightTransport):
-    def __init__(self, log: list, pause_during_transfer: bool = True):
+class Recording(BucketStream):
+    def __init__(self, log: list, pauses_engines: bool = True):
         self.log = log
-        self.pause_during_transfer = pause_during_transfer
+        self.traits = TransportTraits(pauses_engines=pauses_engines)
         self.fail_at: str | None = None
         self._stats = TransferStats(tensors=2, bytes=24, buckets=1, payload_bytes=24)
 
@@ -104,7 +107,9 @@ class Recording(WeightTransport):
 class Gated(Recording):
     """Gathers before the engines are paused; touches them only after the gate opens."""
 
-    uses_send_gate = True
+    def __init__(self, log: list):
+        super().__init__(log)
+        self.traits = TransportTraits(send_gate=True)
 
     def send_bucket(self, named_tensors):
         self.log.append(("transport", "gathered", None))
@@ -117,11 +122,8 @@ class Gated(Recording):
 
 
 def run_update(tr, version=1):
-    def run():
-        tr.begin(version)
-        tr.send_bucket([("a", torch.ones(2)), ("b", torch.zeros(1))])
-        tr.finish(version)
-    return run
+    """A backend's update_weights on the sender rank: one bucket through send_weights."""
+    return lambda: send_weights(tr, version, [[("a", torch.ones(2)), ("b", torch.zeros(1))]])
 
 
 def steps(log):
@@ -139,8 +141,8 @@ async def test_session_order_and_report(engines):
     tr = Recording(log)
     pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
     report = await pub.publish(7, run_update(tr, 7))
-    assert steps(log) == ["pause_generation", "begin", "bucket", "finish", "update_weight_version",
-                          "continue_generation"]
+    assert steps(log) == ["pause_generation", "begin", "bucket", "finish", "prepare", "commit",
+                          "update_weight_version", "continue_generation"]
     bodies = {(who, what): body for who, what, body in log}
     assert bodies[("e0", "/pause_generation")] == {"mode": "in_place"}
     assert bodies[("e1", "/update_weight_version")] == {"new_version": "7", "abort_all_requests": False}
@@ -214,14 +216,14 @@ async def test_a_transfer_that_overruns_is_abandoned(engines):
 
 async def test_prepare_and_commit_while_serving_never_pause(engines):
     fakes, log = engines
-    tr = Recording(log, pause_during_transfer=False)
+    tr = Recording(log, pauses_engines=False)
     pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
     report = await pub.publish(2, run_update(tr, 2))
     assert steps(log) == ["begin", "bucket", "finish", "prepare", "commit", "update_weight_version"]
     assert report.prepare_s > 0 and report.paused_s == 0.0
     # A commit that sets the version itself (disk_delta's, under the engine's step lock) is all.
     log.clear()
-    tr.sets_version = True
+    tr.traits = msgspec.structs.replace(tr.traits, sets_version=True)
     await pub.publish(3, run_update(tr, 3))
     assert steps(log) == ["begin", "bucket", "finish", "prepare", "commit"]
     # A refused prepare changes nothing and never pauses.
@@ -306,7 +308,8 @@ class Slow(Recording):
         self._step("finish")
 
     def commit(self, version):
-        time.sleep(self.load)
+        if not self.traits.pauses_engines:  # disk_delta's swap; a paused commit is a no-op
+            time.sleep(self.load)
         self._step("commit")
 
 
@@ -341,7 +344,7 @@ async def test_a_gated_transfer_stalls_only_for_what_outlasts_the_pause(engines)
     for f in fakes:
         f.delay = {"/pause_generation": 0.3}
     tr = Slow(log, transfer_s=0.1, load_s=0.0)
-    tr.uses_send_gate = True  # its finish touches no engine: the gather overlaps the pause fully
+    tr.traits = TransportTraits(send_gate=True)  # its finish touches no engine: the gather overlaps the pause fully
     pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
     m = assert_stall_adds_up(await pub.publish(1, run_update(tr)))
     assert m["weights/pause_s"] >= 0.3 and m["weights/transfer_s"] < 0.05
@@ -352,8 +355,8 @@ async def test_disk_delta_stalls_for_the_swap_only(engines):
     fakes, log = engines
     for f in fakes:  # were they asked, these would show in the stall
         f.delay = {"/pause_generation": 0.3, "/continue_generation": 0.3}
-    tr = Slow(log, transfer_s=0.2, load_s=0.1, pause_during_transfer=False)
-    tr.sets_version = True
+    tr = Slow(log, transfer_s=0.2, load_s=0.1, pauses_engines=False)
+    tr.traits = TransportTraits(pauses_engines=False, sets_version=True)
     pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
     m = assert_stall_adds_up(await pub.publish(1, run_update(tr)))
     assert m["weights/transfer_s"] == 0.0 and 0.1 <= m["weights/load_s"] < 0.25  # commit
@@ -362,3 +365,61 @@ async def test_disk_delta_stalls_for_the_swap_only(engines):
     assert m["weights/background_s"] >= 0.2  # transfer (and prepare) while serving
     assert m["weights/stall_s"] < m["weights/publish_s"] - 0.15
     await pub.close()
+
+
+async def test_a_paused_commit_that_fails_is_named_and_abandoned(engines):
+    fakes, log = engines
+    tr = Recording(log)
+    tr.fail_at = "commit"
+    pub = WeightPublisher(WeightsConfig(**FAST), [f.url for f in fakes], tr)
+    with pytest.raises(WeightPublishError) as err:
+        await pub.publish(5, run_update(tr, 5))
+    assert err.value.step == "commit" and "Engines were resumed" in str(err.value)
+    assert steps(log) == ["pause_generation", "begin", "bucket", "finish", "prepare", "commit",
+                          "abandon", "continue_generation"]
+    await pub.close()
+
+
+class Tagging(DelegatingTransport):
+    """A user-style wrapper: renames every tensor, states nothing else."""
+
+    def send(self, version, buckets):
+        self.inner.send(version, ([("t." + n, t) for n, t in b] for b in buckets))
+
+
+def test_a_wrapper_forwards_the_traits_whole_and_transforms_the_buckets():
+    log = []
+    inner = Recording(log, pauses_engines=False)
+    inner.traits = TransportTraits(sender=False, pauses_engines=False, sets_version=True,
+                                   send_gate=True)
+    wrapped = Tagging(inner)
+    assert wrapped.traits is inner.traits
+    wrapped.send_gate = gate = object()
+    assert inner.send_gate is gate
+    seen = []
+    inner.send_bucket = lambda named: seen.extend(n for n, _ in named)
+    inner.traits = TransportTraits()
+    send_weights(wrapped, 1, [[("a", torch.ones(1))], [("b", torch.ones(1))]])
+    assert seen == ["t.a", "t.b"]
+
+
+def test_send_weights_iterates_every_bucket_on_every_rank():
+    """The gather is collective: a rank that does not send, or whose transport failed, still
+    walks every bucket, and the failure is raised afterwards."""
+    log, walked = [], []
+
+    def buckets():
+        for i in range(4):
+            walked.append(i)
+            yield [(f"w{i}", torch.ones(1))]
+
+    idle = Recording(log)
+    idle.traits = TransportTraits(sender=False)
+    send_weights(idle, 1, buckets())
+    assert walked == [0, 1, 2, 3] and log == []
+    walked.clear()
+    failing = Recording(log)
+    failing.fail_at = "bucket"
+    with pytest.raises(RuntimeError, match="bucket broke"):
+        send_weights(failing, 1, buckets())
+    assert walked == [0, 1, 2, 3]

@@ -32,31 +32,26 @@ from miles.algo import LossConfig  # noqa: E402
 from miles.backends import RankInfo, TrainConfig, make_backend  # noqa: E402
 from miles.engines.client import EngineClient  # noqa: E402
 from miles.weights import WeightPublisher, WeightPublishError, WeightsConfig, make_transport  # noqa: E402
-from miles.weights.base import WeightTransport  # noqa: E402
+from miles.weights.base import DelegatingTransport  # noqa: E402
 
 SFT = LossConfig(loss_type="sft", loss_reduction="token")
 
 
-class Renaming(WeightTransport):
+class Renaming(DelegatingTransport):
     """Forwards to `inner` but sends one tensor under a name no engine has (a refused bucket)."""
 
     def __init__(self, inner):
-        self.inner, self.is_sender, self.done = inner, inner.is_sender, False
+        super().__init__(inner)
+        self.done = False
 
-    def connect(self, engine_urls):
-        self.inner.connect(engine_urls)
+    def send(self, version, buckets):
+        self.inner.send(version, (self._rename(named) for named in buckets))
 
-    def begin(self, version):
-        self.inner.begin(version)
-
-    def send_bucket(self, named):
+    def _rename(self, named):
         if not self.done:
             named = [("model.layers.0.bogus.weight", named[0][1])] + list(named[1:])
             self.done = True
-        self.inner.send_bucket(named)
-
-    def finish(self, version):
-        self.inner.finish(version)
+        return named
 
 
 async def wait_healthy(urls: list[str], timeout_s: float = 120.0) -> None:
