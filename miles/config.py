@@ -369,6 +369,15 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
                         f"expected nccl, colocated or disk with quant.rollout = "
                         f"{recipe.quant.rollout!r}: a delta XORs against the engine's tensors, "
                         "which hold dequantized weights, not the quantized parts")
+    sft = recipe.sft
+    if sft.until_heldout and not 1 <= sft.check_every <= sft.steps:
+        raise bad_value(source, "sft.check_every", sft.check_every,
+                        f"expected 1 to sft.steps ({sft.steps}) with sft.until_heldout = "
+                        f"{sft.until_heldout}: how many warm-start steps between two checks")
+    if sft.until_heldout and recipe.eval.mode != "shared":
+        raise bad_value(source, "eval.mode", recipe.eval.mode,
+                        "expected 'shared' with sft.until_heldout: the check evaluates the "
+                        "warm start's weights on the rollout engines")
     ro, train = recipe.rollout, recipe.train
     if ro.temperature == 0 and _given(tree, "rollout", "temperature"):
         raise bad_value(source, "rollout.temperature", 0.0,

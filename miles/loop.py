@@ -347,13 +347,23 @@ class LoopDriver(Actor):
         source = await asyncio.to_thread(make_source, r, "sft")
         t0 = time.monotonic()
         epochs, records = EpochLoss(), []
+        steps, stop = 0, f"sft.steps = {r.sft.steps}"
         for i in range(r.sft.steps):
             epoch = source.position // len(source.rows)
             samples = [sft_sample(tok, next(source), f"sft{i}-{j}") for j in range(r.sft.batch_size)]
             metrics = await self.train(samples, phase="sft")
+            steps = i + 1
             done = epochs.add(epoch, metrics.get("loss", float("nan")))
             if done:
                 records.append((i, done))
+            if r.sft.until_heldout and steps % r.sft.check_every == 0 and steps < r.sft.steps:
+                solved = await self.heldout_check(version)
+                records.append((steps, {"sft/heldout_pass@1": solved}))
+                print(f"[driver] warm start step {steps}: held-out pass@1 {solved:.3f} "
+                      f"(sft.until_heldout = {r.sft.until_heldout})", flush=True)
+                if solved >= r.sft.until_heldout:
+                    stop = f"held-out pass@1 {solved:.3f} >= sft.until_heldout"
+                    break
         end = epochs.close() if epochs.losses else {}
         sft_s = time.monotonic() - t0
         await self.publish(version)
@@ -361,14 +371,28 @@ class LoopDriver(Actor):
                                              retries=ACTOR_RETRIES)
         rows = [source.at(k) for k in range(min(len(source.rows), REPRODUCTION_ROWS))]
         judged = await reproduction(engine_set.gateway_url, tok, rows)
-        summary = {**end, **judged, "sft/steps": float(r.sft.steps), "sft/last_loss":
+        summary = {**end, **judged, "sft/steps": float(steps), "sft/last_loss":
                    float(metrics.get("loss", float("nan"))), "sft/s": sft_s}
-        self.sft_records = [*records, (r.sft.steps, summary)]
-        print(json.dumps({"sft_steps": r.sft.steps, "sft_loss": round(summary["sft/last_loss"], 4),
+        self.sft_records = [*records, (steps, {**summary, "sft/stop": stop})]
+        print(json.dumps({"sft_steps": steps, "sft_stop": stop,
+                          "sft_loss": round(summary["sft/last_loss"], 4),
                           "sft_loss_epoch": round(end.get("sft/loss_epoch", float("nan")), 4),
                           "sft_row_nll": round(judged["sft/row_nll"], 3),
                           "sft_greedy_reproduced": round(judged["sft/greedy_reproduced"], 3),
                           "sft_s": round(sft_s, 1)}), flush=True)
+
+    async def heldout_check(self, version: int) -> float:
+        """`sft.until_heldout`: publish the warm start's weights so far (as `version`, which the
+        end of the warm start publishes again) and evaluate them as the step-0 eval would;
+        eval/pass@1, or 0 when that evaluation failed (the warm start goes on)."""
+        await self.publish(version)
+        result = await self.evaluator.call(Evaluate(step=0, version=version),
+                                           timeout_s=self.recipe.eval.timeout_s + 30,
+                                           retries=ACTOR_RETRIES)
+        if not result.ok:
+            print(f"[driver] warm-start held-out check failed: {result.error}", flush=True)
+            return 0.0
+        return float(result.metrics.get("eval/pass@1", 0.0))
 
     async def evaluate(self, step: int, version: int, wait: bool) -> None:
         if self.evaluator is None or self.recipe.eval.mode == "off":

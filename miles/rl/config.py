@@ -246,6 +246,11 @@ class SFTConfig(Section):
     batch_size: Positive = 32
     # the warm-start's learning rate (RL uses train.lr)
     lr: Annotated[float, Meta(gt=0.0)] = 1e-3
+    # stop the warm start once held-out eval/pass@1 of its published weights (checked every
+    # sft.check_every steps, eval.mode = "shared") reaches this; sft.steps is the cap (0: off)
+    until_heldout: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    # warm-start steps between two held-out checks (with sft.until_heldout)
+    check_every: Count = 0
 
 
 class LoggingConfig(Section):
