@@ -11,6 +11,12 @@ ends the job by design and is resumed with a second `miles run` on the same outp
 What is measured and how "0 samples lost" is counted: tests/chaos/chaos_harness.py.
 
   .venv/bin/python bench/chaos.py [--cases engine,buffer] [--work-dir DIR]
+  .venv/bin/python bench/chaos.py --storm --runs R --kills K --seed S
+
+`--storm`: R runs, each with K kill events of kinds and at step gaps drawn from the seed (every
+kind a run survives without a job restart, bursts that kill a target again during its own
+restart: `chaos_harness.STORM_TARGETS`); one JSON line per run, then one summary line: runs
+completed, prompts lost, prompts trained twice, the longest gap between two steps.
 
 Cases run one after another, never in parallel: on a small CPU machine parallel runs would
 measure each other. The runs' logs stay in the work directory (named in each line's `log`).
@@ -39,15 +45,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="all", help="comma list of engine, gateway, rollout, buffer, "
                     "trainer, evaluator, driver, engine_x10, mixed (ten kills of five kinds in one run), "
+                    "engine_side (engine kills during restarts, two of the fleet actor), "
                     "session_server (default: all)")
     ap.add_argument("--work-dir", default=None, help="keep the runs' output dirs and logs here")
     ap.add_argument("--full", action="store_true", help="every field of each row, log tails included")
     ap.add_argument("--source", default=None,
                     help="run this Miles tree instead of the checkout (e.g. `git archive COMMIT | tar -x -C DIR`)")
+    ap.add_argument("--storm", action="store_true", help="seeded random kills (with --runs, --kills, --seed)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--kills", type=int, default=4, help="kill events per storm run")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.source:  # read by the harness at import
         os.environ["MILES_CHAOS_SOURCE"] = str(Path(args.source).resolve())
     from chaos_harness import CASES, row_json, run_case
+    if args.storm:
+        storm(args)
+        return
     names = list(CASES) if args.cases == "all" else [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -70,6 +84,33 @@ def main() -> None:
                       "not_in_loop": [r["kind"] for r in rows if r not in ran],
                       "samples_lost": sum(r["samples_lost"] or 0 for r in ran),
                       "wall_s": round(time.monotonic() - t0, 1), **machine}), flush=True)
+
+
+def storm(args) -> None:
+    from chaos_harness import row_json, run_case, storm_case
+
+    machine = {"platform": platform.platform(), "machine": platform.machine(), "cores": os.cpu_count()}
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="miles_storm_"))
+    rows, t0 = [], time.monotonic()
+    for r in range(args.runs):
+        case = storm_case(args.seed, r, args.kills)
+        row = run_case(case, work)
+        rows.append(row)
+        per = row.get("samples_per_prompt") or 1
+        print(row_json({"bench": "chaos_storm", "run": r, "seed": args.seed, "targets": case.target,
+                        **{k: row.get(k) for k in FIELDS + ("killed", "longest_gap_s", "hung",
+                                                             "failure", "log")},
+                        "prompts_lost": None if row["samples_lost"] is None else row["samples_lost"] / per}),
+              flush=True)
+    unknown = [r for r in rows if r["samples_lost"] is None or r["trained_twice"] is None]
+    print(json.dumps({
+        "bench": "chaos_storm", "summary": True, "seed": args.seed, "runs": len(rows),
+        "kills_per_run": args.kills, "runs_completed": sum(bool(r["completed"]) for r in rows),
+        "prompts_lost": None if unknown else sum(r["samples_lost"] / r["samples_per_prompt"] for r in rows),
+        "prompts_trained_twice": None if unknown else sum(r["trained_twice"] for r in rows),
+        "longest_gap_s": max((r["longest_gap_s"] or 0.0 for r in rows), default=None),
+        "signals_sent": sum(r["kills"] for r in rows), "wall_s": round(time.monotonic() - t0, 1),
+        **machine}), flush=True)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ def node_fleet_name(role: str, node: int) -> str:
 
 
 class FleetError(RuntimeError):
-    """The fleet cannot serve: an engine or the gateway did not start, or every engine gave up."""
+    """The fleet cannot serve: no engine started after its tries, smg or the session server did
+    not start, or no engine was up for `engine.no_engine_timeout_s`."""
 
 
 class NodeFleet:

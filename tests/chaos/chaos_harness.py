@@ -65,13 +65,16 @@ SOURCE = Path(os.environ.get("MILES_CHAOS_SOURCE", ROOT))
 class Case:
     name: str                 # the row of the table: engine, gateway, rollout, ...
     target: str               # "engine" | "gateway" | an actor name ("buffer", "trainer/0", ...);
-                              # several, comma-separated: kill k takes the (k mod n)-th
+                              # several, comma-separated: kill k takes the (k mod n)-th; "name*N":
+                              # a burst, the target and then N-1 of its restarted processes, each
+                              # `burst_delay_s` after it appeared (kills during its own restart)
     kill_at_step: int = 8
     kills: int = 1
     kill_every_steps: int = 2  # with kills > 1: the next kill once this many more steps are logged
     expect: str = "complete"   # "complete" | "resume" (the job ends by design; a second run resumes)
     resume_if_ended: bool = False  # "complete" failed: still measure whether a second run resumes
     serve_s: float = 0.0       # engine: kill only after the engine has answered /health this long
+    burst_delay_s: dict = field(default_factory=dict)  # target -> seconds (default 0.5)
     sets: dict = field(default_factory=dict)
     in_loop: bool = True
     notes: str = ""
@@ -79,10 +82,16 @@ class Case:
     def target_of(self, k: int) -> str:
         """The target of the k-th kill (0-based)."""
         targets = self.target.split(",")
-        return targets[k % len(targets)]
+        return targets[k % len(targets)].split("*")[0]
+
+    def burst_of(self, k: int) -> int:
+        """How many processes of the k-th kill's target die in a row (1: no burst)."""
+        targets = self.target.split(",")
+        name, _, n = targets[k % len(targets)].partition("*")
+        return int(n or 1)
 
     def engine_kills(self) -> int:
-        return sum(self.target_of(k) == "engine" for k in range(self.kills))
+        return sum(self.burst_of(k) for k in range(self.kills) if self.target_of(k) == "engine")
 
 
 def engine_restart_sets(kills: int) -> dict:
@@ -122,9 +131,53 @@ CASES: dict[str, Case] = {c.name: c for c in [
          kill_at_step=3, kills=10, kill_every_steps=2, serve_s=4.0, sets={"loop.num_steps": 40},
          notes="ten kills in one run: engine x6 (each once it has served 4 s), gateway, rollout, "
                "buffer, evaluator; each after the run recovered from the one before"),
+    # the engine side (issue 38): the engine killed, then twice more while it restarts (each new
+    # engine process before it answers /health); later the fleet actor killed, then its new
+    # incarnation too while it relaunches its engines
+    Case("engine_side", "engine*3,engines*2", kill_at_step=3, kills=2, kill_every_steps=3,
+         burst_delay_s={"engine": 0.5, "engines": 3.0},
+         sets={"engine.max_restarts": 5, "engine.restart_window_s": 60.0, "loop.num_steps": 16},
+         notes="the engine x3 (two of them before /health), then the fleet actor x2 (the second "
+               "during its own restart); engine.max_restarts = 5 per 60 s"),
     Case("session_server", "session_server", in_loop=False,
          notes="not in this loop: the TITO session server is not part of the RL loop yet"),
 ]}
+
+
+# What a storm draws its kills from (bench/chaos.py --storm): every actor kind that a run survives
+# without a job restart, and bursts (a kill during the target's own restart). The trainer and the
+# driver end the job by design (docs/recovery.md), so they are not drawn.
+STORM_TARGETS = ("engine", "engine*2", "engine*3", "engines", "engines*2", "gateway", "rollout",
+                 "buffer", "evaluator")
+
+
+def storm_case(seed: int, run: int, kills: int) -> Case:
+    """Run `run` of the storm `seed`: `kills` kill events drawn with `random.Random(seed, run)`,
+    each at a drawn step gap (0 or 1 more step after recovering), bursts included."""
+    import random
+
+    rng = random.Random(f"{seed}/{run}")
+    targets = [rng.choice(STORM_TARGETS) for _ in range(kills)]
+    engine_kills = sum(int(t.partition("*")[2] or 1) for t in targets if t.startswith("engine*")
+                       or t == "engine")
+    return Case(f"storm{seed}_{run}", ",".join(targets), kill_at_step=rng.randint(2, 4),
+                kills=kills, kill_every_steps=rng.randint(1, 2),
+                burst_delay_s={"engine": rng.uniform(0.2, 1.5), "engines": rng.uniform(0.5, 4.0)},
+                sets={"engine.max_restarts": max(3, engine_kills + 1),
+                      "engine.restart_window_s": 60.0,
+                      "loop.num_steps": max(12, kill_every_steps_budget(kills))},
+                notes=f"storm seed {seed} run {run}: {targets}")
+
+
+def kill_every_steps_budget(kills: int) -> int:
+    """Steps a run needs so that `kills` events, each after the run recovered, fit in it."""
+    return 4 + 3 * kills
+
+
+def longest_gap_s(rows: list[dict]) -> float | None:
+    """The longest wall-clock gap between two training steps logged by one job."""
+    times = [r["time_s"] for r in rows if r.get("kind") == "train" and "time_s" in r]
+    return round(max(b - a for a, b in zip(times, times[1:])), 2) if len(times) > 1 else None
 
 
 class ChaosTimeout(RuntimeError):
@@ -409,14 +462,19 @@ def _healthy(engine: psutil.Process) -> bool:
 
 
 def kill_target(run: Run, case: Case, deadline_s: float = 30.0, not_pids: set[int] = frozenset(),
-                k: int = 0) -> int:
+                k: int = 0, fresh_after_s: float = -1.0) -> int:
     """SIGKILL the case's k-th target (a fresh one: not in `not_pids`; an engine, with
-    `case.serve_s`, once it has been healthy that long); returns its pid."""
+    `case.serve_s`, once it has been healthy that long; with `fresh_after_s` >= 0, a process
+    that appeared that long ago, healthy or not: a kill during a restart); returns its pid."""
     target = case.target_of(k)
-    serve_s = case.serve_s if target == "engine" else 0.0
+    serve_s = case.serve_s if target == "engine" and fresh_after_s < 0 else 0.0
     end, healthy_since = time.monotonic() + deadline_s + serve_s, {}
     while time.monotonic() < end:
         found = [p for p in find_target(run.root, target) if p.pid not in not_pids]
+        if found and fresh_after_s >= 0:
+            time.sleep(fresh_after_s)
+            found[0].send_signal(signal.SIGKILL)
+            return found[0].pid
         for p in found:
             if serve_s and p.pid not in healthy_since:
                 if not _healthy(p):
@@ -438,11 +496,14 @@ def _drive(run: Run, case: Case, timeout_s: float, num_steps: int, start_deadlin
     recoveries, killed, step = [], set(), case.kill_at_step
     for k in range(case.kills):
         run.wait_step(step, start_deadline_s if k == 0 else timeout_s + margin_s)
-        killed.add(kill_target(run, case, deadline_s=timeout_s, not_pids=killed, k=k))
+        for b in range(case.burst_of(k)):  # b > 0: its restarted process, while it restarts
+            delay = case.burst_delay_s.get(case.target_of(k), 0.5) if b else -1.0
+            killed.add(kill_target(run, case, deadline_s=timeout_s, not_pids=killed, k=k,
+                                   fresh_after_s=delay))
+            row["kills"] += 1
+            row.setdefault("killed", []).append(case.target_of(k))
         t_kill, got = time.monotonic(), last_train_step(run.metrics)  # steps go on while it waits
-        row["kills"] += 1
         row.setdefault("killed_at_steps", []).append(got)
-        row.setdefault("killed", []).append(case.target_of(k))
         if case.expect == "resume":
             break
         if got >= num_steps:  # the run is past its last step: no next step to recover to
@@ -529,6 +590,8 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
     except Exception as e:  # a journal format this checkout cannot read
         row["journal"], row["journal_problems"] = None, [f"journal unreadable: {type(e).__name__}: {e}"]
     row["num_steps"], row["eval_every"] = num_steps, recipe.loop.eval_every
+    row["longest_gap_s"] = max((g for g in map(longest_gap_s, jobs) if g is not None), default=None)
+    row["samples_per_prompt"] = recipe.rollout.n_samples_per_prompt
     if "evaluator" in row.get("killed", []):   # the evaluations due after the evaluator's kill
         at = row["killed_at_steps"][row["killed"].index("evaluator")]
         row["evaluator_killed_at"] = at

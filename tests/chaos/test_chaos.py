@@ -50,6 +50,21 @@ def test_run_survives_ten_kills_of_engines_gateway_rollout_buffer_and_evaluator(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_run_survives_engine_kills_during_restarts_and_two_kills_of_the_fleet_actor(tmp_path):
+    """Issue 38: the engine killed three times in a row, twice before its restarted process
+    answered /health, then the engine fleet actor killed and its next incarnation killed while it
+    relaunched its engines. The run completes with every step trained once."""
+    row = run_case(CASES["engine_side"], tmp_path)
+    assert row.get("killed") == ["engine"] * 3 + ["engines"] * 2, row_json(row)
+    _check(row)
+    log = Path(row["log"]).read_text(errors="replace")
+    # the fleet came back as a new incarnation that knew its predecessor's generation and version
+    assert "restarts the fleet its predecessor ran" in log, log[-4000:]
+    assert "did not start" not in log or "FleetError" not in log, log[-4000:]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_run_survives_a_sigkill_of_a_trainer_rank(tmp_path):
     row = run_case(CASES["trainer"], tmp_path)

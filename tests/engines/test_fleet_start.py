@@ -1,6 +1,7 @@
-"""A fleet that cannot start says so at once: every `GetEngines` waiter gets the error (naming the
-process, its command and its log's last lines), and the fleet's `run()` returns 1 so its host
-process exits non-zero. Real engine and smg processes, real sockets, 127.0.0.1."""
+"""A fleet that cannot start says so once its tries are spent: an engine is tried 1 +
+`engine.max_restarts` times (here 2), then every `GetEngines` waiter gets the error (naming the
+process, its command, its log's last lines and the tries), and the fleet's `run()` returns 1 so
+its host process exits non-zero. Real engine and smg processes, real sockets, 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ async def _start_fleet(tmp_path, model_path: str, **engine):
 
 
 async def _expect_start_failure(tmp_path, model_path, *, within_s: float, **engine) -> str:
-    fleet, runtime, ref = await _start_fleet(tmp_path, model_path, **engine)
+    fleet, runtime, ref = await _start_fleet(tmp_path, model_path, max_restarts=1, **engine)
     t0 = time.monotonic()
     try:
         run = asyncio.ensure_future(fleet.run())
@@ -47,14 +48,14 @@ async def _expect_start_failure(tmp_path, model_path, *, within_s: float, **engi
 
 async def test_missing_model_path_fails_every_waiter_at_once(tmp_path):
     message = await _expect_start_failure(tmp_path, str(tmp_path / "no-such-model"), within_s=60)
-    assert "FleetError" in message and "engine 0 did not start" in message
+    assert "FleetError" in message and "engine 0 did not start after 2 tries" in message
     assert "miles.engines.embedded" in message  # the command
     assert "no-such-model" in message           # from the log's last lines
 
 
 async def test_unsupported_dtype_fails_every_waiter_at_once(tmp_path, tiny_qwen3):
     message = await _expect_start_failure(tmp_path, str(tiny_qwen3), dtype="float8", within_s=30)
-    assert "engine 0 did not start" in message
+    assert "engine 0 did not start after 2 tries (engine.max_restarts = 1)" in message
     assert "--dtype float8" in message                 # the command
     assert "invalid choice: 'float8'" in message       # argparse's refusal, from the log
 
@@ -71,3 +72,24 @@ async def test_smg_that_cannot_import_fails_every_waiter_at_once(tmp_path, tiny_
     assert "the gateway (smg) did not start" in message
     assert "-m smg launch" in message                       # the command
     assert "No module named 'setproctitle'" in message      # from its log
+
+
+async def test_an_engine_that_fails_its_first_start_is_tried_again(tmp_path, tiny_qwen3):
+    """A start failure at job start is a restart too: the first try is killed before /health,
+    the second serves, and the fleet starts (no error for anyone)."""
+    import psutil
+
+    fleet, runtime, ref = await _start_fleet(tmp_path, str(tiny_qwen3))
+    try:
+        me, deadline = psutil.Process(), time.monotonic() + 60
+        while not (procs := [p for p in me.children(recursive=True)
+                             if "miles.engines.embedded" in " ".join(p.cmdline())]):
+            assert time.monotonic() < deadline, "no engine process within 60 s"
+            await asyncio.sleep(0.05)
+        procs[0].kill()  # while it imports torch: seconds before /health
+        engines = await ref.call(GetEngines(), timeout_s=180)
+        assert len(engines.engine_urls) == 1 and engines.pending_urls == []
+        assert fleet.restarts == 1 and fleet.slots[0].budget.total == 1
+    finally:
+        await fleet.close()
+        runtime.close()
