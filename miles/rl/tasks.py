@@ -5,13 +5,22 @@
   held-out split (measured: SFT alone goes from 0 to ~0.9 on both).
 - `addition`: "3+5=" -> "8" over single digits. Too few pairs for a tiny model to generalize to
   held-out pairs (it memorizes); kept for tests that only need a verifiable reward.
-- `find_file` (the agent quickstart's): a few files with short names and 3-digit contents are put
-  in the episode's sandbox (`metadata["files"]`); the prompt names the one holding the answer. The
-  model must call `read_file` on it and `submit` what it read; the verifier
-  (`miles.envs.tool_agent:verify_submission`) reads the submission from the sandbox. Both steps
-  copy text the model has seen (the name from the prompt, the digits from the tool result), which
-  a 2-layer model can learn. The held-out split's answers are a quarter of all 3-digit strings that
-  no train row has as its answer. The episodes send no tool schemas (`declare_tools = False`): the
+- `find_file` (the agent quickstart's): three files with one-letter names and 3-digit contents
+  are put in the episode's sandbox (`metadata["files"]`); the prompt names the one holding the
+  answer ("Submit the number in k.txt."). The model must `read_file` it and `submit` what it read;
+  the verifier (`miles.envs.tool_agent:verify_submission`) reads the submission from the sandbox.
+  Both steps copy text the model has seen (the name from the prompt, the digits from the tool
+  result), which a 2-layer model can learn. The held-out split's answers are a quarter of all
+  3-digit strings that no train row has as its answer. 10% of the train rows' SFT transcripts
+  start with an unparsed call and the tool agent's `PARSE_ERROR` (`with_parse_error`), so the
+  model has seen that reply and the recovery from it.
+- `find_file_graded`: five files, graded levels (`metadata["level"]`, row i has level i % 3, and
+  `eval_groups` gives the evaluator's per-level pass@1): level 0 as `find_file`; at levels 1 and
+  2 the prompt names the start of a chain of one or two pointer files ("Start at k.txt and
+  submit the number it leads to."), with a pointer among the distractors. Measured: after 200
+  SFT steps the tiny model solves almost none of it at temperature 0.7 (held-out pass@1 0.005,
+  level 0 included): a task for a larger model or a longer warm start.
+- The episodes send no tool schemas (`declare_tools = False`): the
   model learns its two tools in the warm-start, and a turn's prompt is ~25 tokens instead of ~500
   with the tiny tokenizer (the tool system prompt), which is what makes the CPU run fit in minutes.
   `find_file_declared` is the same task with the schemas sent (measured: 5x slower SFT steps).
@@ -46,16 +55,17 @@ def _addition() -> list[tuple[str, str]]:
 
 
 FIND_FILE_TOOLS = ["read_file", "submit"]   # the tools an episode offers (metadata["tools"])
-FIND_FILE_FILES = 5                         # files in each sandbox: the chain, the rest distractors
-FIND_FILE_LEVELS = 3                        # 0: the file named, 1: one pointer to it, 2: two
+FIND_FILE_FILES = 3                         # files in each sandbox: the chain, the rest distractors
+GRADED_FILES, GRADED_LEVELS = 5, 3          # find_file_graded: 0: the file named, 1, 2: pointers
 FIND_FILE_MISTAKES = 0.1                    # SFT episodes that recover from an unparsed call
 
 
 def find_file_rows(seed: int, n_train: int = 3000, test_frac: float = 0.25,
-                   declare_tools: bool = False) -> tuple[list[dict], list[dict]]:
+                   declare_tools: bool = False, levels: int = 1,
+                   n_files: int = FIND_FILE_FILES) -> tuple[list[dict], list[dict]]:
     """(train, test) rows of `find_file`; test answers never occur as a train answer.
     `declare_tools` is each row's `metadata["declare_tools"]`: whether the agent sends the schemas.
-    Row `i` has level `i % FIND_FILE_LEVELS` (`metadata["level"]`, `metadata["chain"]` the paths
+    Row `i` has level `i % levels` (`metadata["level"]`, `metadata["chain"]` the paths
     read in order); train rows draw `metadata["mistake"]` with probability `FIND_FILE_MISTAKES`."""
     rng = random.Random(seed)
     values = [f"{i:03d}" for i in range(1000)]
@@ -64,13 +74,14 @@ def find_file_rows(seed: int, n_train: int = 3000, test_frac: float = 0.25,
     test_values, train_values = values[:n_test], values[n_test:]
 
     def row(i: int, answer: str, train: bool) -> dict:
-        level = i % FIND_FILE_LEVELS
-        names = [n + ".txt" for n in rng.sample(string.ascii_lowercase, FIND_FILE_FILES)]
+        level = i % levels
+        names = [n + ".txt" for n in rng.sample(string.ascii_lowercase, n_files)]
         chain, others = names[:level + 1], names[level + 1:]
         files = {a: b for a, b in zip(chain, chain[1:])}
         files[chain[-1]] = answer
         for k, p in enumerate(others):   # distractors: numbers, and a pointer to a number
-            files[p] = others[0] if k and rng.random() < 0.3 else f"{rng.randrange(1000):03d}"
+            pointer = levels > 1 and k and rng.random() < 0.3
+            files[p] = others[0] if pointer else f"{rng.randrange(1000):03d}"
         files = dict(sorted(files.items()))
         prompt = (f"Submit the number in {chain[0]}." if level == 0 else
                   f"Start at {chain[0]} and submit the number it leads to.")
@@ -144,7 +155,7 @@ def sft_rows(rows: list[dict], family: str = "qwen3", transcript=transcript) -> 
 
 
 TASKS = {"sort_digits": _sort_digits, "addition": _addition, "find_file": find_file_rows,
-         "find_file_declared": find_file_rows}
+         "find_file_declared": find_file_rows, "find_file_graded": find_file_rows}
 
 
 def make_task(out_dir: str | Path, kind: str = "sort_digits", *, seed: int = 0,
@@ -164,7 +175,9 @@ def make_task(out_dir: str | Path, kind: str = "sort_digits", *, seed: int = 0,
 
 def _builtin_splits(kind: str, seed: int, test_frac: float) -> dict[str, list[dict]]:
     if kind.startswith("find_file"):
-        train, test = find_file_rows(seed, test_frac=test_frac, declare_tools=kind == "find_file_declared")
+        graded = {"levels": GRADED_LEVELS, "n_files": GRADED_FILES} if kind == "find_file_graded" else {}
+        train, test = find_file_rows(seed, test_frac=test_frac, declare_tools=kind == "find_file_declared",
+                                     **graded)
         sft = sft_rows(train)
         random.Random(seed).shuffle(sft)   # the SFT source is read in file order
         splits = {"test": test, "train": train, "sft": sft}
