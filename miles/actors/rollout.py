@@ -377,10 +377,10 @@ class RolloutWorker(Actor):
     async def _generate_group(self, prompt: Prompt, slot: int, attempt: int) -> PutReply:
         group = await self.generate_group(prompt, attempt)
         reply = await self.buffer.call(PutGroup(group=group, slot=slot, owner=self.incarnation),
-        if self.env.episodes is not None:   # <run>/episodes.jsonl, with the buffer's decision
-            self.env.episodes.write(group, reply.decision, reply.reason)
                                        timeout_s=10**9, retries=BUFFER_RETRIES)
         self.counts["groups_put"] += 1
+        if self.env.episodes is not None:   # <run>/episodes.jsonl, with the buffer's decision
+            self.env.episodes.write(group, reply.decision, reply.reason)
         return reply
 
     async def _sample(self, prompt: Prompt, prompt_ids: list[int], group_id: str, index: int,

@@ -309,9 +309,9 @@ async def _put(worker, group: Group, prompt: Prompt, slot: int, attempt: int):
     reply = await worker.buffer.call(PutGroup(group=group, slot=slot, owner=worker.incarnation),
                                      timeout_s=10**9, retries=BUFFER_RETRIES)
     worker.counts["groups_put"] += 1
-    return reply
     if worker.env.episodes is not None:   # <run>/episodes.jsonl, as the per-sample path writes it
         worker.env.episodes.write(group, reply.decision, reply.reason)
+    return reply
 
 
 def _count_samples(worker, group: Group) -> None:
