@@ -310,11 +310,12 @@ class EngineFleet(NodeFleet, Actor):
         """smg or the session server at the fleet's start; a restarted fleet binds its
         predecessor's port, which may need a moment to free (1 + engine.max_restarts tries)."""
         cfg = self.recipe.engine
-        for attempt in range(cfg.max_restarts + 1 if self._previous is not None else 1):
+        tries = cfg.max_restarts + 1 if self._previous is not None else 1
+        for attempt in range(tries):
             try:
                 return await launch()
             except Exception as e:  # noqa: BLE001 - retried, then raised
-                if attempt == cfg.max_restarts:
+                if attempt == tries - 1:
                     raise
                 log.warning("%s did not start on its port (%s); trying again", what,
                             str(e).splitlines()[0])
