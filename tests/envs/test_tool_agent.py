@@ -100,7 +100,9 @@ async def test_each_limit_marks_the_episode_truncated(stack, sandboxes, find_fil
             assert result["metrics"]["tokens"] <= 5 and samples[0].status == "truncated"
     box = await sandboxes(row["metadata"]["files"])
     result, _, _ = await run_episode(url, task_of(row, box, sampling=greedy), "lim-none")
-    assert "status" not in result, result
+    # An unparsed call is answered and the episode goes on, so a model that never submits may
+    # run to the default turn limit; none of the tight limits above can have fired.
+    assert result.get("stop") in (None, "submitted", "max_turns"), result
 
 
 async def test_malformed_calls_are_answered_and_counted(scripted, sandboxes):
