@@ -7,7 +7,7 @@ Design decisions:
   Slurm host lists are expanded by `scontrol show hostnames` where it is installed, else by
   `parse_nodelist` (every bracket group, zero padding kept).
 - The head node (rank 0) hosts the registry in the daemon's own event loop. Every actor runs in
-  a child process of its node's daemon (`miles.actors.host`), so a crash, an OOM or a `kill -9`
+  a child process of its node's daemon (`miles.runtime.host`), so a crash, an OOM or a `kill -9`
   takes down one actor, never the daemon, and the actor can be restarted alone.
 - Supervision: a child that exits non-zero (or by signal) is restarted with exponential backoff
   until `restart.max_restarts` restarts within `restart.window_s` are used up; each restart gets a new incarnation number so callers
@@ -65,8 +65,7 @@ from pathlib import Path
 
 import zmq
 
-from miles.actors.base import Actor, ActorError, Runtime, run_event_loop
-from miles.actors.registry import Registry
+from miles.runtime import Actor, ActorError, Registry, Runtime, run_event_loop
 from miles.config import ActorSpec, Recipe, recipe_to_json
 from miles.supervise import LogFollower, RestartBudget, SupervisedProcess, read_log_tail
 from miles.wire import auth
@@ -449,7 +448,7 @@ class NodeDaemon(Actor):
             from miles.console import forwarder
             child.follower = LogFollower(child.log_path, f"[{child.name}] ".encode(),
                                          forwarder(self.progress, self._write_console))
-        proc = SupervisedProcess(child.name, [sys.executable, "-m", "miles.actors.host"],
+        proc = SupervisedProcess(child.name, [sys.executable, "-m", "miles.runtime.host"],
                                  env=self._child_env(child), log_path=child.log_path).start()
         child.proc, child.log_offset = proc, proc.log_offset
         child.started_at = proc.started_at
@@ -642,7 +641,7 @@ class NodeDaemon(Actor):
         self._shutting_down = True
         self.exit_code = code
         # The registry lives in this process: actors going away now are the shutdown, not news.
-        logging.getLogger("miles.actors.base").setLevel(logging.ERROR)
+        logging.getLogger("miles.runtime").setLevel(logging.ERROR)
         if not by_signal:  # a signal gets one line, once the children are down
             self._log(f"shutting down: {reason}")
         if self.node.node_rank == 0 and self.node.nnodes > 1:
