@@ -90,7 +90,7 @@ def shard(samples: list, dp: int) -> tuple[list, str]:
 # ----- trainer ranks ----------------------------------------------------------------------------
 
 def _serve_rank(q, name):
-    from miles.actors.base import Actor, Runtime, run_event_loop
+    from miles.runtime import Actor, Runtime, run_event_loop
     from miles.wire.messages import TrainResult, TrainStep
 
     class Rank(Actor):
@@ -146,7 +146,7 @@ def figures(runs: list[tuple[float, float]], nbytes: int) -> dict:
 
 
 async def miles_rows(samples: list, dps: list[int], rounds: int, endpoints: list[str]) -> tuple[list, str]:
-    from miles.actors.base import Runtime
+    from miles.runtime import Runtime
     from miles.wire.messages import TrainStep
     runtimes = {on: Runtime(shm_min_bytes=1 if on else 0) for on in (True, False)}
     rows, shard_fn = [], ""
@@ -177,7 +177,7 @@ async def miles_rows(samples: list, dps: list[int], rounds: int, endpoints: list
 
 
 async def sweep(sizes_mb: list[float], args, endpoint: str) -> list[dict]:
-    from miles.actors.base import Runtime
+    from miles.runtime import Runtime
     from miles.wire.messages import TrainStep
     runtimes = {on: Runtime(shm_min_bytes=1 if on else 0) for on in (True, False)}
     out = []

@@ -50,7 +50,7 @@ def percentiles(xs):
 # ----- Miles actors ---------------------------------------------------------------------------
 
 def _serve_actor(q):
-    from miles.actors.base import Actor, Runtime, run_event_loop
+    from miles.runtime import Actor, Runtime, run_event_loop
     from miles.wire.messages import Ok, SampleBatch
 
     class Echo(Actor):
@@ -86,7 +86,7 @@ def bench_miles_and_zmq(n_calls: int, batch, rounds: int = 10) -> dict:
     """Both measured in alternating rounds, so load from anything else on the machine falls on
     both alike and the ratio stays fair."""
     import zmq
-    from miles.actors.base import Runtime, run_event_loop
+    from miles.runtime import Runtime, run_event_loop
     from miles.wire.codec import encode
     from miles.wire.messages import Ping
 

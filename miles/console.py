@@ -5,7 +5,7 @@ Design decisions:
 - The node daemon owns the console; actors write only to their log files (they are child
   processes whose stdout is their log). The daemon follows each actor's log and forwards a line
   to the console only if it is not routine: a logging record below WARNING (`... INFO name: ...`,
-  the format `miles.actors.host` sets) stays in the file. Anything else an actor prints (its
+  the format `miles.runtime.host` sets) stays in the file. Anything else an actor prints (its
   restarts, resumes, failures, a traceback) is an event a user should see, and goes out behind
   `[actor] `, as before.
 - Progress comes from `metrics.jsonl`, which the driver appends to anyway: the daemon tails it, so
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable, TextIO
 
-# `%(asctime)s %(levelname)s %(name)s: %(message)s` (miles.actors.host), below WARNING
+# `%(asctime)s %(levelname)s %(name)s: %(message)s` (miles.runtime.host), below WARNING
 ROUTINE = re.compile(rb"^(?:\[[^\]]+\] )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:DEBUG|INFO) ")
 
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from miles.actors.base import Actor, ActorDied
+from miles.runtime import Actor, ActorDied
 from miles.wire.messages import Ping, Sample, SampleBatch, StreamSummary, VersionSpan
 
 

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from miles.actors.base import Actor, ActorDied, ActorTimeout, RemoteError
+from miles.runtime import Actor, ActorDied, ActorTimeout, RemoteError
 from miles.actors.buffer import rollout_rewards
 from miles.rl.logger import MetricsLogger
 from miles.wire.messages import (Batch, BatchIndex, BufferMetricsRequest, ConfirmBatch, EnginesUpdated,

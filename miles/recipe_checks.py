@@ -33,7 +33,7 @@ from miles.config import Recipe, RecipeError, bad_value
 
 def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     """Raise RecipeError for the first problem found; return the warnings of a usable recipe."""
-    from miles.actors.base import Actor
+    from miles.runtime import Actor
     from miles.actors.buffer import FILTERS, BufferPolicy
     from miles.actors.rollout import RolloutWorker
     from miles.loop import LoopDriver

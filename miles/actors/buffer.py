@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.actors.admission import admits
-from miles.actors.base import Actor, ActorError
+from miles.runtime import Actor, ActorError
 from miles.wire.journal import Journal
 from miles.actors.slots import (HOLDING, STATES, JournalBatchOut, JournalBatchTrained,
                                 JournalHandedBack, JournalQueued, JournalReserved, JournalRetry,
@@ -179,7 +179,7 @@ class Buffer(Actor):
         r = self.recipe
         policy_cls = BufferPolicy
         if r.buffer.policy:
-            from miles.actors.host import load_class
+            from miles.runtime.host import load_class
             policy_cls = load_class(r.buffer.policy, BufferPolicy)
         self.configure(r.buffer.capacity_groups, r.loop.groups_per_step, r.loop.staleness,
                        r.buffer.filter, policy_cls(r.rollout.max_retries, r.buffer.stale_action),

@@ -73,7 +73,7 @@ from pathlib import Path
 
 import aiohttp
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 from miles.actors.engine_nodes import FleetError, NodeEngineDown, NodeEngines, NodeEngineUp, NodeFleet
 from miles.config import RestartPolicy
 from miles.supervise import RestartBudget

@@ -50,7 +50,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 from miles.rl.prompts import prompt_token_ids
 from miles.rl.rewards import call_maybe_async, load_function
 from miles.seeds import eval_seed

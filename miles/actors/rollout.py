@@ -64,7 +64,7 @@ import numpy as np
 from tenacity import (AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay,
                       wait_exponential)
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 from miles.algo.routing import pack_routing
 from miles.envs.episode import EpisodeEnv, run_episode
 from miles.rl.data import Prompt

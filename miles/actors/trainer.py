@@ -27,7 +27,7 @@ import logging
 
 import msgspec
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 from miles.wire.messages import (CheckpointState, GetEngines, LoadCheckpoint, Ok, Published,
                                  PublishWeights, SaveCheckpoint, TrainResult, TrainStep)
 

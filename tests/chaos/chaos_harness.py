@@ -8,7 +8,7 @@ descendants and SIGKILL it; wait for the run to end; collect what happened.
 
 Design decisions:
 - Targets are found with psutil among the descendants of the run's own process only, so runs in
-  parallel (other engineers, CI shards) never interfere: actors are `python -m miles.actors.host`
+  parallel (other engineers, CI shards) never interfere: actors are `python -m miles.runtime.host`
   processes told apart by `MILES_ACTOR_NAME` in their environment; an embedded engine is a
   `python -m miles.engines.embedded` process; the gateway is `python -m smg launch`, which
   renames itself `smg::router` once it runs.
@@ -206,7 +206,7 @@ def _is(proc: psutil.Process, target: str) -> bool:
         if target == "gateway":  # smg renames its process once it runs: `smg::router`
             return bool(cmd) and cmd[0].startswith("smg::") or (
                 "launch" in cmd and any(a == "smg" and cmd[i - 1] == "-m" for i, a in enumerate(cmd) if i))
-        return "miles.actors.host" in cmd and proc.environ().get("MILES_ACTOR_NAME") == target
+        return "miles.runtime.host" in cmd and proc.environ().get("MILES_ACTOR_NAME") == target
     except psutil.Error:
         return False
 

@@ -14,7 +14,7 @@ import aiohttp
 import psutil
 import pytest
 
-from miles.actors.base import Runtime
+from miles.runtime import Runtime
 from miles.actors.engines import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.client import EngineClient

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from miles.actors.base import RemoteError, Runtime
+from miles.runtime import RemoteError, Runtime
 from miles.actors.engines import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.rl.config import EngineConfig, ModelConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from miles.actors.base import Runtime
+from miles.runtime import Runtime
 from miles.actors.teacher_fleet import TeacherFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.client import EngineClient

@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from miles.actors.base import Registry, Runtime
+from miles.runtime import Registry, Runtime
 from miles.actors.buffer import Buffer, BufferPolicy, Decision
 from miles.wire.messages import (BufferMetricsRequest, ConfirmBatch, GetBatch, GetRolloutResume,
                                  Group, NoteRolloutStart, PutGroup, ReleaseSlot, Reserve, Sample,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from miles.actors.base import Registry, Runtime
+from miles.runtime import Registry, Runtime
 from miles.actors.buffer import Buffer
 from miles.wire.journal import Journal
 from miles.config import load_recipe, recipe_to_json
@@ -92,7 +92,7 @@ def _spawn_buffer(recipe_json: Path, registry: str, incarnation: int):
     env.update(MILES_ACTOR_NAME="buffer", MILES_ACTOR_CLASS="miles.actors.buffer:Buffer",
                MILES_ACTOR_ROLE="buffer", MILES_REGISTRY=registry, MILES_RECIPE=str(recipe_json),
                MILES_INCARNATION=str(incarnation))
-    return asyncio.create_subprocess_exec(sys.executable, "-m", "miles.actors.host", cwd=ROOT, env=env)
+    return asyncio.create_subprocess_exec(sys.executable, "-m", "miles.runtime.host", cwd=ROOT, env=env)
 
 
 async def test_sigkilled_buffer_process_comes_back_from_its_journal(tmp_path):

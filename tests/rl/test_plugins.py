@@ -69,7 +69,7 @@ def test_user_data_source_by_import_path():
 
 
 async def test_user_buffer_policy_by_import_path():
-    from miles.actors.base import Runtime
+    from miles.runtime import Runtime
     recipe = load_recipe(text='[buffer]\npolicy = "user_plugins:DropOdd"')
     buf = Buffer()
     buf.recipe = recipe

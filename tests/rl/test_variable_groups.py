@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.actors.base import Registry, Runtime
+from miles.runtime import Registry, Runtime
 from miles.actors.buffer import Buffer, nonzero_std, rollout_rewards
 from miles.algo import LossConfig, compute_advantages
 from miles.algo.layout import cu_seqlens_from_lengths

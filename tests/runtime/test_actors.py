@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from miles.actors.base import Actor, ActorTimeout, Registry, RemoteError, Runtime
+from miles.runtime import Actor, ActorTimeout, Registry, RemoteError, Runtime
 from miles.wire.codec import encode
 from miles.wire.messages import (GetMetrics, Header, ListActors, Message, Ok, Ping, Pong, Sample,
                                  SampleBatch, StreamSummary)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_records_below_warning_are_routine_and_everything_else_is_not():
     assert is_routine(b"[trainer/0] 2026-12-01 15:29:09,267 INFO miles.weights.publisher: published version 1\n")
     assert is_routine(b"2026-12-01 15:29:09,267 DEBUG x: y\n")
-    assert not is_routine(b"[driver] 2026-12-01 15:31:13,167 WARNING miles.actors.base: stuck\n")
+    assert not is_routine(b"[driver] 2026-12-01 15:31:13,167 WARNING miles.runtime.actor: stuck\n")
     assert not is_routine(b"[trainer/0] 2026-12-01 15:31:13,167 ERROR miles.x: boom\n")
     assert not is_routine(b"[rollout] incarnation 2 resumes from the buffer's journal\n")
     assert not is_routine(b"Traceback (most recent call last):\n")

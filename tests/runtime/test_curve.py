@@ -7,7 +7,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from miles.actors.base import Actor, ActorDied, Registry, Runtime
+from miles.runtime import Actor, ActorDied, Registry, Runtime
 from miles.wire import auth
 from miles.wire.codec import encode
 from miles.wire.messages import GetMetrics, Ping, Pong

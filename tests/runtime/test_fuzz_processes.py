@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from miles.actors.base import Runtime
+from miles.runtime import Runtime
 from miles.wire.messages import GetMetrics, ListActors, Ping, Pong, Shutdown
 
 HERE = Path(__file__).resolve().parent

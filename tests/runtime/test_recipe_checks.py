@@ -58,7 +58,7 @@ def refusal(text: str, overrides=()) -> str:
     (QUICKSTART, ["actors.extra.class='no_such_module:Helper'"],
      "actors.extra.class = 'no_such_module:Helper': cannot import module 'no_such_module'"),
     (QUICKSTART, ["actors.extra.class='miles.actors.buffer:BufferPolicy'"],
-     "actors.extra.class = 'miles.actors.buffer:BufferPolicy': not a subclass of miles.actors.base.Actor"),
+     "actors.extra.class = 'miles.actors.buffer:BufferPolicy': not a subclass of miles.runtime.actor.Actor"),
     (QUICKSTART, ["buffer.filter='miles.actors.buffer:no_filter'"],
      "buffer.filter = 'miles.actors.buffer:no_filter': module 'miles.actors.buffer' has no attribute"),
     (QUICKSTART, ["buffer.filter='nonzero'"], "buffer.filter = 'nonzero': expected one of none, nonzero_std"),

@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from miles.actors.base import Actor, ActorDied, ActorTimeout, Registry, RemoteError, Runtime
+from miles.runtime import Actor, ActorDied, ActorTimeout, Registry, RemoteError, Runtime
 from miles.wire import transport
 from miles.wire.codec import encode
 from miles.wire.messages import (GetMetrics, Header, Lookup, Message, Ok, Ping, Pong,
@@ -165,7 +165,7 @@ async def test_handlers_of_a_killed_caller_process_are_cancelled(system):
     script = textwrap.dedent(f"""
         import asyncio, sys
         sys.path.insert(0, {os.path.join(ROOT, 'tests', 'runtime')!r})
-        from miles.actors.base import Runtime
+        from miles.runtime import Runtime
         from test_reliability import Hold
         async def main():
             rt = Runtime()
@@ -251,7 +251,7 @@ async def test_an_endpoint_nobody_listens_on_fails_fast(system):
 
 async def test_a_stuck_event_loop_is_logged_with_what_it_was_doing(system, caplog):
     client, holder, _ = system
-    caplog.set_level(logging.WARNING, logger="miles.actors.base")
+    caplog.set_level(logging.WARNING, logger="miles.runtime")
     hold = asyncio.create_task(client.ref("holder").call(Hold(seconds=30), timeout_s=30))
     await _until(lambda: holder.started == 1)
     await client.ref("holder").call(Block(seconds=1.6), timeout_s=10)
@@ -262,13 +262,13 @@ async def test_a_stuck_event_loop_is_logged_with_what_it_was_doing(system, caplo
 
 
 async def test_the_registry_warns_when_heartbeats_stop_and_sees_disconnects(caplog):
-    caplog.set_level(logging.INFO, logger="miles.actors.base")
+    caplog.set_level(logging.INFO, logger="miles.runtime")
     rt = Runtime()
     registry = Registry(liveness_timeout_s=0.4)
     endpoint = await registry.start(rt, register=False)
     script = textwrap.dedent(f"""
         import asyncio
-        from miles.actors.base import Actor, Runtime
+        from miles.runtime import Actor, Runtime
         async def main():
             a = Actor("quiet")
             a.heartbeat_interval_s = 3600

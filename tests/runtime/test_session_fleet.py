@@ -19,7 +19,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from miles.actors.base import Runtime
+from miles.runtime import Runtime
 from miles.actors.engines import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.rl.config import EngineConfig, ModelConfig, SessionConfig

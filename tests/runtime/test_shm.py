@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from miles.actors.base import ActorDied, Runtime
+from miles.runtime import ActorDied, Runtime
 from miles.config import ClusterConfig
 from miles.wire import shm
 from miles.wire.codec import Codec, ShmUnavailable, WireError
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/sh
 SINK = r'''
 import asyncio, mmap, sys
 import numpy as np
-from miles.actors.base import Actor, Runtime, run_event_loop
+from miles.runtime import Actor, Runtime, run_event_loop
 from miles.wire.messages import TrainResult, TrainStep
 
 def mapped(a):
@@ -311,7 +311,7 @@ def test_same_host_and_defaults():
 def test_an_actor_takes_its_threshold_from_the_recipe():
     from types import SimpleNamespace
 
-    from miles.actors.base import Actor
+    from miles.runtime import Actor
 
     async def go():
         rt = Runtime()

@@ -144,7 +144,7 @@ def test_ctrl_c_in_an_actor_process_during_its_imports_prints_no_traceback(tmp_p
     plugins = Path(__file__).parent / "plugins"
     env = {**os.environ, "MILES_ACTOR_NAME": "slow", "MILES_ACTOR_CLASS": "slow_import_actor:Slow",
            "PYTHONPATH": f"{plugins}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "miles.actors.host"], env=env, cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "miles.runtime.host"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout.readline() == b"importing\n"
     proc.send_signal(signal.SIGINT)

@@ -3,7 +3,7 @@ missing on one node, or a dependency that fails only under the actor's environme
 
 import os
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 
 if os.environ.get("MILES_ACTOR_NAME"):
     import no_such_module_in_actor_processes  # noqa: F401

@@ -5,7 +5,7 @@ import asyncio
 import atexit
 import time
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 
 
 class SlowExitDriver(Actor):

@@ -2,7 +2,7 @@
 
 import time
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 
 print("importing", flush=True)
 time.sleep(60)

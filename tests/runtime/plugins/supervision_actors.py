@@ -4,7 +4,7 @@ import asyncio
 import os
 import time
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 
 
 class LongLineDriver(Actor):

@@ -1,6 +1,6 @@
 """A user's own actor module, loaded by import path from a recipe (the plug-in contract test)."""
 
-from miles.actors.base import Actor
+from miles.runtime import Actor
 from miles.demo import Sink
 from miles.wire.messages import Message
 

@@ -2,7 +2,7 @@
 
 Runs in the head node's daemon. `Lookup(wait_s=...)` is the wait-for primitive; an actor whose
 connection is gone is marked `disconnected` at once (lookups skip it), while `alive` stays the
-heartbeat verdict the node daemon's liveness watcher acts on. See `miles/actors/base.py` for the
+heartbeat verdict the node daemon's liveness watcher acts on. See `miles/runtime/__init__.py` for the
 actor runtime it is built on.
 """
 
@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 
-from miles.actors.base import Actor, ActorError
+from miles.runtime.actor import Actor
+from miles.runtime.refs import ActorError
 from miles.wire.messages import (ActorInfo, ActorList, Header, Heartbeat, ListActors, Lookup,
                                  Message, Ok, Register, Unregister)
 

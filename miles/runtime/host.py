@@ -1,4 +1,4 @@
-"""The process that hosts one actor: `python -m miles.actors.host` (started by the node daemon).
+"""The process that hosts one actor: `python -m miles.runtime.host` (started by the node daemon).
 
 Everything it needs comes from the environment the daemon sets:
 MILES_ACTOR_NAME, MILES_ACTOR_CLASS (`module:Class`), MILES_ACTOR_ROLE, MILES_REGISTRY,
@@ -30,7 +30,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from miles.actors.base import Actor, Runtime, run_event_loop
+from miles.runtime.actor import Actor
+from miles.runtime.refs import Runtime, run_event_loop
 from miles.config import recipe_from_json
 
 log = logging.getLogger(__name__)
