@@ -64,10 +64,11 @@ from typing import Any
 
 import msgspec
 
+from miles.tiny import default_cache_dir
+
 API_KEY_VAR = "MILES_SESSION_API_KEY"    # Verifiers reads an endpoint's key from an env var
 MODEL_NAME = "policy"                    # the session server serves one model, whatever its name
 SETUP_SCRIPT = "scripts/envs/setup_verifiers.sh"
-_VENV = Path(__file__).resolve().parents[2] / ".cache" / "envs" / "verifiers" / "bin" / "python"
 
 # The env server: Verifiers' own `serve_env`, one process (max_workers=1), nothing of ours imported.
 _SERVE = ("import json, logging, sys\n"
@@ -94,7 +95,15 @@ def default_python() -> str:
         return os.environ["MILES_VERIFIERS_PYTHON"]
     if importlib.util.find_spec("verifiers") is not None:
         return sys.executable
-    return str(_VENV)
+    return str(_setup_venv() / "bin" / "python")
+
+
+def _setup_venv() -> Path:
+    """Where SETUP_SCRIPT makes the venv (scripts/envs/_py312.sh's envs_dir, shared by clones)."""
+    if os.environ.get("MILES_VERIFIERS_VENV"):
+        return Path(os.environ["MILES_VERIFIERS_VENV"])
+    envs = os.environ.get("MILES_ENVS_DIR") or Path(default_cache_dir()) / "envs"
+    return Path(envs) / "verifiers"
 
 
 def episode_result(traces: list[dict], ok: bool, errors: list[dict]) -> dict[str, Any]:

@@ -20,6 +20,14 @@ find_py312() {
     fi
 }
 
+# envs_dir: where the environments' venvs live, outside the checkout and shared by every clone of
+# it on this machine (as pip's cache is): they hold only the ecosystems' own packages, never Miles,
+# so a fresh clone (CI) reuses the venvs an earlier run made and the stamp (the requirement) says
+# when one must be made again. $MILES_ENVS_DIR moves them; each $MILES_<NAME>_VENV moves one.
+envs_dir() {
+    echo "${MILES_ENVS_DIR:-${MILES_CACHE:-$HOME/.cache/miles}/envs}"
+}
+
 # make_venv DIR: creates DIR with Python 3.12 unless it already holds one.
 make_venv() {
     local dir=$1

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/envs/_py312.sh
 REQ="harbor==0.25.0"
-VENV=${MILES_HARBOR_VENV:-.cache/envs/harbor}
+VENV=${MILES_HARBOR_VENV:-$(envs_dir)/harbor}
 lock_venv "$VENV"
 stamp="$VENV/.miles-installed"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$REQ" ]; then

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/envs/_py312.sh
 REQ="nemo-gym==0.4.0"
-VENV=${MILES_NEMO_GYM_VENV:-.cache/envs/nemo_gym}
+VENV=${MILES_NEMO_GYM_VENV:-$(envs_dir)/nemo_gym}
 lock_venv "$VENV"
 stamp="$VENV/.miles-installed"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$REQ" ]; then

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/envs/_py312.sh
 REQ="openenv==0.10.0"
-VENV=${MILES_OPENENV_VENV:-.cache/envs/openenv}
+VENV=${MILES_OPENENV_VENV:-$(envs_dir)/openenv}
 lock_venv "$VENV"
 stamp="$VENV/.miles-installed"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$REQ" ]; then

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/envs/_py312.sh
 REQ="verifiers==0.4.0 msgspec>=0.19 psutil>=5.9 aiohttp>=3.9"
-VENV=${MILES_VERIFIERS_VENV:-.cache/envs/verifiers}
+VENV=${MILES_VERIFIERS_VENV:-$(envs_dir)/verifiers}
 lock_venv "$VENV"
 stamp="$VENV/.miles-installed"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$REQ" ]; then
