@@ -15,7 +15,8 @@ from miles.runtime import Runtime
 from miles.actors.teacher_fleet import TeacherFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.client import EngineClient
-from miles.rl.config import EngineConfig, ModelConfig, TeacherConfig
+from miles.engines.config import EngineConfig
+from miles.rl.config import ModelConfig, TeacherConfig
 from miles.rl.teacher_scores import score_sample
 from miles.wire.messages import GetEngines, Sample
 
