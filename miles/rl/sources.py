@@ -70,11 +70,11 @@ RL_ROLES = {
     "driver": ("miles.loop:LoopDriver", {"main": True}),
     "buffer": ("miles.actors.buffer:Buffer", {}),
     "rollout": ("miles.actors.rollout:RolloutWorker", {}),
-    "engines": ("miles.actors.engines:EngineFleet", {}),
+    "engines": ("miles.engines.fleet:EngineFleet", {}),
     "trainer": ("miles.actors.trainer:Trainer", {"distributed": True}),
     "evaluator": ("miles.actors.evaluator:Evaluator", {}),
 }
-TEACHER_ROLE = ("teacher_engines", "miles.actors.teacher_fleet:TeacherFleet")  # with [teacher] only
+TEACHER_ROLE = ("teacher_engines", "miles.engines.fleet:TeacherFleet")  # with [teacher] only
 
 
 def with_default_actors(recipe):

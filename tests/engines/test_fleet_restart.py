@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from miles.runtime import Runtime
-from miles.actors.engines import EngineFleet
+from miles.engines.fleet import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.client import EngineClient
 from miles.engines.config import EngineConfig

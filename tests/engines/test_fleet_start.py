@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from miles.runtime import RemoteError, Runtime
-from miles.actors.engines import EngineFleet
+from miles.engines.fleet import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.config import EngineConfig
 from miles.rl.config import ModelConfig

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 from miles.runtime import Runtime
-from miles.actors.engines import EngineFleet
+from miles.engines.fleet import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.config import EngineConfig
 from miles.rl.config import ModelConfig
