@@ -136,7 +136,8 @@ class RolloutWorker(Actor):
     # ----- set-up ------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        from miles.engines.client import EngineClient, num_routed_experts, routed_experts_layout_from_config
+        from miles.engines.client import EngineClient
+        from miles.engines.routed_experts import num_routed_experts, routed_experts_layout_from_config
         from miles.rl.sources import make_source, tokenizer_for
 
         r = self.recipe
