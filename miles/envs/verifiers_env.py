@@ -64,6 +64,8 @@ from typing import Any
 
 import msgspec
 
+from miles.supervise import SupervisedProcess
+
 API_KEY_VAR = "MILES_SESSION_API_KEY"    # Verifiers reads an endpoint's key from an env var
 MODEL_NAME = "policy"                    # the session server serves one model, whatever its name
 SETUP_SCRIPT = "scripts/envs/setup_verifiers.sh"
@@ -324,7 +326,6 @@ class _ServedEnv:
         import zmq.asyncio
 
         from miles.engines.procs import free_port
-        from miles.supervise import SupervisedProcess
         owner = self.owner
         python = owner.python or default_python()
         if not Path(python).exists() and os.sep in python:

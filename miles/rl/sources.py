@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from miles.config import ActorSpec
 from miles.rl.data import FileSource
 from miles.rl.rewards import load_function
 
@@ -80,7 +81,6 @@ TEACHER_ROLE = ("teacher_engines", "miles.engines.fleet:TeacherFleet")  # with [
 def with_default_actors(recipe):
     """An RL recipe (it names a model) gets the standard roles for those it does not place itself;
     `rollout.worker` picks the rollout class. A recipe of only its own actors is left alone."""
-    from miles.config import ActorSpec
 
     if not (recipe.model.path or recipe.model.tiny) or (recipe.actors and "driver" not in recipe.actors
                                                         and not any(k in recipe.actors for k in RL_ROLES)):
