@@ -68,7 +68,7 @@ def sync(device):
 
 async def engine_run(server, batch: int, prompt_len: int, new_tokens: int, seed: int) -> float:
     from miles.engines.embedded_engine.protocol import SamplingParams
-    from miles.engines.embedded_engine.scheduler import Request
+    from miles.engines.embedded_engine.request import Request
     sch = server.scheduler
     g = torch.Generator().manual_seed(seed)
     V = server.runner.shape.vocab_size

@@ -83,7 +83,7 @@ class Budget:
 async def engine_bench(path: Path, device: torch.device, args, budget: Budget) -> dict:
     from miles.engines.embedded import build_parser, build_server
     from miles.engines.embedded_engine.protocol import SamplingParams
-    from miles.engines.embedded_engine.scheduler import Request
+    from miles.engines.embedded_engine.request import Request
 
     prompt_len = 32
     ns = build_parser().parse_args([

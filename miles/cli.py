@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from miles.loop import RESUME_EXIT_CODE
     from miles.node import run_node
+    from miles.rl.sources import prepare_recipe
 
     for attempt in range(recipe.loop.auto_resumes + 1):
-        code = run_node(recipe)
+        code = run_node(recipe, prepare_recipe)
         if code != RESUME_EXIT_CODE or attempt == recipe.loop.auto_resumes:
             return code
         # The driver asked for it (a trainer rank died): the same job, from its newest checkpoint.

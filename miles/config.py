@@ -37,10 +37,13 @@ from miles.algo.config import LossConfig
 from miles.backends.config import TrainConfig
 from miles.weights.config import WeightsConfig
 from miles.quant.config import QuantConfig
-from miles.rl.config import (AgentConfig, BufferConfig, Count, DataConfig, EngineConfig, EvalConfig,
-                             LoggingConfig, LoopConfig, ModelConfig, NonNegative, Positive,
-                             RolloutConfig, SandboxConfig, Seconds, SessionConfig,
-                             SFTConfig, TeacherConfig)
+from miles.engines.config import EngineConfig
+from miles.envs.config import AgentConfig
+from miles.rl.config import (BufferConfig, DataConfig, EvalConfig, LoggingConfig, LoopConfig,
+                             ModelConfig, RolloutConfig, SFTConfig, TeacherConfig)
+from miles.sandboxes.config import SandboxConfig
+from miles.sections import Count, NonNegative, Positive, Seconds
+from miles.tito.config import SessionConfig
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 

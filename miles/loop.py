@@ -58,9 +58,14 @@ from pathlib import Path
 
 import numpy as np
 
-from miles.runtime import Actor, ActorDied, ActorTimeout, RemoteError
 from miles.actors.buffer import rollout_rewards
+from miles.backends.batch import batch_arrays
+from miles.backends.batch_plan import sample_owners
+from miles.backends.config import trainer_dp_layout
 from miles.rl.logger import MetricsLogger
+from miles.rl.sft import EpochLoss, REPRODUCTION_ROWS, reproduction, sft_sample
+from miles.rl.sources import make_source, tokenizer_for
+from miles.runtime import Actor, ActorDied, ActorTimeout, RemoteError
 from miles.wire.messages import (Batch, BatchIndex, BufferMetricsRequest, ConfirmBatch, EnginesUpdated,
                                  Evaluate, GetBatch, GetEngines, GetMetrics, GetQueuedPrompts,
                                  GetRolloutState, LoadCheckpoint, Message, PublishWeights, Sample,
@@ -337,8 +342,6 @@ class LoopDriver(Actor):
         """A supervised warm start on prompt/answer pairs (loss on the answer only), rows
         reshuffled per epoch; published as `version`, then judged (`miles.rl.sft`): the mean loss
         of each epoch, greedy reproduction and summed NLL per row under the published weights."""
-        from miles.rl.sft import REPRODUCTION_ROWS, EpochLoss, reproduction, sft_sample
-        from miles.rl.sources import make_source, tokenizer_for
 
         r = self.recipe
         # Loading a tokenizer imports transformers: seconds on a cold machine. Off the event loop,
@@ -482,9 +485,6 @@ def shard_batch(samples: list[Sample], train, world_size: int, phase: str = "rl"
 
     A batch the plan cannot be made of (empty, fewer groups than optimizer steps, malformed
     samples) goes whole to every rank, whose door check refuses it with its usual message."""
-    from miles.backends.batch import batch_arrays
-    from miles.backends.config import trainer_dp_layout
-    from miles.backends.packing import sample_owners
 
     dp_size, dp_index = trainer_dp_layout(train, world_size)
     try:

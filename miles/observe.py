@@ -3,7 +3,7 @@ and on the head the dashboard (`/`) with its data (`/api/run`, `/api/actors`).
 
     http://<node>:<port>/metrics      Prometheus text format (prometheus_client)
     http://<head>:<port>/             the dashboard (miles/dashboard.html)
-    http://<head>:<port>/episodes     the episode browser (miles/episodes.html; `miles.rl.episodes`)
+    http://<head>:<port>/episodes     the episode browser (miles/episodes.html; `miles.episodes`)
     miles dashboard runs/<name>       the same dashboard for a finished run, from its files
 
 Design decisions:
@@ -20,7 +20,7 @@ Design decisions:
 - smg serves its own Prometheus endpoint; `miles_smg_metrics_info{url=...}` links it.
 - The episode browser reads `<run>/episodes.jsonl` through one incremental reader per app (only
   appended bytes are decoded per request, on a thread, off the daemon's loop); its filters are
-  the ones `miles episodes` applies (`miles.rl.episodes.select`). The list carries no messages;
+  the ones `miles episodes` applies (`miles.episodes.select`). The list carries no messages;
   `/api/episode?key=...` reads one record whole.
 """
 
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
+
+from miles.episodes import EpisodeFile, annotate, key_of, parse_reward, select, to_json
 
 DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
 EPISODES_HTML = Path(__file__).with_name("episodes.html")
@@ -223,7 +225,6 @@ def make_app(run_dir: Path, *, actors_fn: Callable[[], list[dict]] = lambda: [],
     async def api_actors(_request):
         return web.json_response(actors_fn())
 
-    from miles.rl.episodes import EpisodeFile, annotate, key_of, parse_reward, select, to_json
     episodes_index = EpisodeFile(run_dir)
 
     async def episodes_page(_request):

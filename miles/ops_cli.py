@@ -13,7 +13,7 @@ Design decisions:
 - `dashboard` serves the same page as the live head, from `metrics.jsonl` and `logs/`, so a
   finished (or copied) run looks the same as a live one; actors are then listed from their logs.
 - `logs` reads `<run>/logs/<actor>.log` (`/` in a name is `_` in the file, as the daemon writes it).
-- `episodes` reads `<run>/episodes.jsonl` (`miles.rl.episodes`), the same files and filters as
+- `episodes` reads `<run>/episodes.jsonl` (`miles.episodes`), the same files and filters as
   the dashboard's episode browser (`/episodes`); bad input is one line and exit code 2.
 """
 
@@ -26,6 +26,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from miles.episodes import EpisodeFile, FILE, ROTATED, format_episode, parse_reward, select, to_json
 
 
 def _run_dir(path: str) -> Path:
@@ -129,10 +131,8 @@ def logs(argv: list[str]) -> int:
 
 
 def episodes(argv: list[str]) -> int:
-    """Transcripts of a run's episodes (`miles.rl.episodes`), newest last; exit 2 on bad input."""
+    """Transcripts of a run's episodes (`miles.episodes`), newest last; exit 2 on bad input."""
     from miles.observe import read_rows
-    from miles.rl.episodes import (FILE, ROTATED, EpisodeFile, format_episode, parse_reward,
-                                   select, to_json)
 
     p = argparse.ArgumentParser(prog="miles episodes")
     p.add_argument("run")

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from miles.actors.admission import admits
+from miles.config import RecipeError, load_recipe
 from miles.plan_inputs import Inputs, Lengths, PlanError, figure_fields, model_sizes, override_inputs
 
 
@@ -526,7 +527,6 @@ def format_table(p: dict) -> str:
 def main(argv: list[str]) -> int:
     import argparse
     import sys
-    from miles.config import RecipeError, load_recipe
     ap = argparse.ArgumentParser(prog="miles plan", description="predict a deployment's step time, idle "
                                  "fractions and staleness from measured component throughputs")
     ap.add_argument("recipe")

@@ -28,17 +28,20 @@ import pkgutil
 from pathlib import Path
 from typing import Any
 
+from miles.actors.buffer import BufferPolicy, FILTERS
 from miles.config import Recipe, RecipeError, bad_value
+from miles.loop import LoopDriver
+from miles.rl.rewards import BUILTIN
+from miles.rl.sources import with_default_actors
+from miles.runtime import Actor
+from miles.sandboxes.registry import backend_names
+from miles.tiny import ARCH_CONFIGS
+from miles.wire.auth import keys_from_env
 
 
 def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     """Raise RecipeError for the first problem found; return the warnings of a usable recipe."""
-    from miles.runtime import Actor
-    from miles.actors.buffer import FILTERS, BufferPolicy
     from miles.actors.rollout import RolloutWorker
-    from miles.loop import LoopDriver
-    from miles.rl.rewards import BUILTIN
-    from miles.rl.sources import with_default_actors
 
     for role, spec in recipe.actors.items():
         _subclass(source, f"actors.{role}.class", spec.cls, Actor)
@@ -75,7 +78,6 @@ def check_placement(recipe: Recipe, nnodes: int, source: str = "<recipe>") -> No
                 raise bad_value(source, key, spec.nodes if spec.nodes is not None else spec.node,
                                 f"expected nodes < {nnodes}: this job has {nnodes} node(s) "
                                 f"(NNODES / SLURM_NNODES)")
-    from miles.wire.auth import keys_from_env
     if recipe.cluster.auth == "curve" and nnodes > 1 and keys_from_env() is None:
         # each node would make a key of its own, and no node could talk to another
         raise bad_value(source, "cluster.auth", "curve",
@@ -170,7 +172,6 @@ def _check_depths(recipe: Recipe, source: str) -> None:
                   "async def rollout(ctx, n_groups) -> list[Group]")
     if not recipe.sandbox.backend:
         return
-    from miles.sandboxes.registry import backend_names
     if recipe.sandbox.backend not in backend_names():
         raise bad_value(source, "sandbox.backend", recipe.sandbox.backend,
                         f"expected one of {', '.join(backend_names())}")
@@ -297,7 +298,6 @@ def _check_choices_and_paths(recipe: Recipe, source: str) -> None:
 
 def _check_loop_inputs(recipe: Recipe, source: str) -> None:
     """What the loop reads: a model, prompts to train on, and the eval and warm-start sets."""
-    from miles.tiny import ARCH_CONFIGS
 
     model, data = recipe.model, recipe.data
     if not (model.path or model.tiny):

@@ -29,6 +29,9 @@ import json
 import sys
 from pathlib import Path
 
+from miles.actors.trainer import build_backend, phases_for
+from miles.config import recipe_from_json
+from miles.loop import whole_batch
 from miles.wire.messages import TrainResult, TrainStep
 from miles.wire.recorder import read_records
 
@@ -44,7 +47,6 @@ def recorded_steps(path: Path) -> dict[int, dict]:
         elif isinstance(rec.msg, TrainResult) and rec.meta.direction == "reply":
             if rec.meta.peer.endswith("/0") or "result" not in entry:
                 entry["result"] = rec.msg
-    from miles.loop import whole_batch
 
     for e in steps.values():  # each DP rank received its shard (loop.shard_batch): the whole batch
         if "shards" in e:
@@ -58,7 +60,6 @@ def _run_dir(path: Path) -> Path:
 
 
 def load_run_recipe(path: Path):
-    from miles.config import recipe_from_json
     resolved = _run_dir(path) / "recipe.resolved.node0.json"
     if not resolved.exists():
         raise SystemExit(f"miles replay: {resolved} not found (the run directory of {path} holds "
@@ -76,7 +77,6 @@ def _timing(key: str) -> bool:
 
 
 def replay_train(path: Path, step: int, entry: dict, recipe) -> dict:
-    from miles.actors.trainer import build_backend, phases_for
     from miles.backends.base import RankInfo
 
     state = pre_state_dir(path, step)

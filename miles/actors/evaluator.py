@@ -50,10 +50,12 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from miles.runtime import Actor
 from miles.rl.prompts import prompt_token_ids
 from miles.rl.rewards import call_maybe_async, load_function
+from miles.rl.sources import make_source, tokenizer_for
+from miles.runtime import Actor
 from miles.seeds import eval_seed
+from miles.supervise import run_command
 from miles.wire.messages import EngineSet, EvalResult, Evaluate, GetEngines, PauseAdmission, Sample
 
 log = logging.getLogger(__name__)
@@ -74,8 +76,6 @@ class Evaluator(Actor):
         self.lock = asyncio.Lock()
 
     async def on_start(self) -> None:
-        from miles.rl.sources import make_source, tokenizer_for
-
         r = self.recipe
         self.cfg = r.eval
         self.reward_fn = load_function(r.rollout.reward, "rollout.reward")
@@ -232,8 +232,6 @@ class Evaluator(Actor):
         return self._summary(results, served)
 
     async def _external(self, msg: Evaluate) -> dict[str, float]:
-        from miles.supervise import run_command
-
         cmd = self.cfg.command.format(checkpoint=msg.checkpoint_dir, step=msg.step)
         result = await run_command(f"eval.command (step {msg.step})", shlex.split(cmd),
                                    timeout_s=self.cfg.timeout_s,

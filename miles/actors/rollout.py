@@ -64,11 +64,15 @@ import numpy as np
 from tenacity import (AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay,
                       wait_exponential)
 
-from miles.runtime import Actor
 from miles.algo.routing import pack_routing
+from miles.engines.routed_experts import num_routed_experts, routed_experts_layout_from_config
+from miles.engines.sampling_params import sampling_params
 from miles.envs.episode import EpisodeEnv, run_episode
 from miles.rl.data import Prompt
+from miles.rl.prompts import prompt_token_ids
 from miles.rl.rewards import call_off_loop, check_reward, load_function
+from miles.rl.sources import make_source, tokenizer_for
+from miles.runtime import Actor
 from miles.seeds import sample_seed
 from miles.wire.messages import (GetEngines, GetRolloutResume, GetRolloutState, Group,
                                  NoteRolloutStart, OrphanSlot, PauseAdmission, PutGroup,
@@ -80,15 +84,6 @@ BUFFER_RETRIES = 3   # re-sends of an idempotent buffer call after the buffer re
 
 class EngineAborted(Exception):
     """The engine ended a request early (it was stopping or died): retried from the prompt."""
-
-
-def sampling_params(cfg, seed: int):
-    """The `/generate` sampling params of one sample (`cfg` is `recipe.rollout`)."""
-    from miles.engines.client import SamplingParams
-    return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, top_k=cfg.top_k, sampling_seed=seed,
-                          stop_token_ids=cfg.stop_token_ids or None,
-                          ignore_eos=cfg.ignore_eos or None)
 
 
 def engine_request(recipe, sample: Sample) -> tuple[list[int], Any, str]:
@@ -136,9 +131,6 @@ class RolloutWorker(Actor):
     # ----- set-up ------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        from miles.engines.client import EngineClient, num_routed_experts, routed_experts_layout_from_config
-        from miles.rl.sources import make_source, tokenizer_for
-
         r = self.recipe
         self.cfg = r.rollout
         self.seed = r.run.seed
@@ -150,6 +142,7 @@ class RolloutWorker(Actor):
         layout = routed_experts_layout_from_config(self.model_path) if self.cfg.return_routed_experts else None
         # ... and the expert count fixes the wire dtype for every sample of the model
         self.num_experts = num_routed_experts(self.model_path) if layout is not None else None
+        from miles.engines.client import EngineClient
         self.client = EngineClient(engines.gateway_url, timeout_s=60.0,
                                    generate_timeout_s=self.cfg.request_timeout_s,
                                    routed_experts_layout=layout)
@@ -482,7 +475,6 @@ class RolloutWorker(Actor):
     # ----- overridable pieces ------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        from miles.rl.prompts import prompt_token_ids
         return prompt_token_ids(self.tokenizer, prompt.prompt, self.recipe.data.apply_chat_template)
 
     async def generate_sample(self, sample: Sample, seed: int) -> Sample:

@@ -74,6 +74,7 @@ from miles.algo import LossConfig
 from miles.backends import attention, train_common
 from miles.backends.base import MAIN_PHASE, Metrics, RankInfo, TrainingBackend, TrainPhase
 from miles.backends.batch import CheckedBatch
+from miles.backends.batch_plan import plan_batch
 from miles.backends.checkpoint import load_checkpoint, save_checkpoint
 from miles.backends.config import TrainConfig
 from miles.backends.critic import Critic, explained_variance, uses_critic
@@ -83,7 +84,7 @@ from miles.backends.lora import (ADAPTER_DIR, apply_lora, export_adapter, merged
                                  optimizer_bytes, trainable_parameters)
 from miles.backends.offload import HostOffload
 from miles.backends.optim import build_adamw, lr_at, set_lr
-from miles.backends.packing import PackedMicroBatch, plan_batch
+from miles.backends.packing import PackedMicroBatch
 from miles.backends.policy import PackedPolicy
 from miles.backends.router_replay import (RouterReplay, agree_on_routing, finish_routing_metrics,
                                           micro_batch_routing, routed)

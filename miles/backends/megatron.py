@@ -80,12 +80,13 @@ from miles.algo import LossConfig
 from miles.backends import megatron_algos, megatron_checkpoint, megatron_cp, megatron_step, train_common
 from miles.backends.base import MAIN_PHASE, Metrics, RankInfo, TrainingBackend, TrainPhase
 from miles.backends.batch import CheckedBatch
+from miles.backends.batch_plan import plan_batch
 from miles.backends.config import TrainConfig, trainer_dp_layout
 from miles.backends.critic import uses_critic
 from miles.backends.logprobs import token_logprobs
 from miles.backends.offload import HostOffload
 from miles.backends.optim import lr_at
-from miles.backends.packing import PackedMicroBatch, plan_batch
+from miles.backends.packing import PackedMicroBatch
 from miles.backends.router_replay import agree_on_routing, micro_batch_routing
 from miles.backends.teacher import builds_teacher, uses_teacher
 from miles.weights.base import WeightTransport, send_weights

@@ -38,8 +38,9 @@ from miles.algo.metrics import mismatch_metrics
 from miles.algo.reduce import reduce_tokens, token_weights
 from miles.backends.base import TrainPhase
 from miles.backends.batch import CheckedBatch, find_batch_error, find_shard_error, number_batch, number_shard
+from miles.backends.batch_plan import sample_owners
 from miles.backends.config import TrainConfig
-from miles.backends.packing import PackedMicroBatch, dummy_microbatch, pack_samples, sample_owners
+from miles.backends.packing import PackedMicroBatch, dummy_microbatch, pack_samples
 from miles.wire.messages import BatchIndex, Sample
 
 log = logging.getLogger(__name__)

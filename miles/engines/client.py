@@ -17,7 +17,8 @@ Design decisions:
   SGLang's initial `"default"` counts as version 0; any other string raises, naming it.
 - Routed experts: base64 little-endian int32 -> array of shape `(tokens - 1 - start, layers, top_k)`;
   (layers, top_k) come from the constructor, or from `/model_info` when the engine reports them
-  (the embedded engine does), or `routed_experts_layout_from_config(model_path)`.
+  (the embedded engine does), or `routed_experts_layout_from_config(model_path)`
+  (miles/engines/routed_experts.py).
 - Errors: HTTP 4xx -> `EngineRequestError(status, message)` (the server's message, both of SGLang's
   error shapes understood); 5xx, timeouts and transport failures -> `EngineUnavailable`.
   Idempotent calls (GETs, pause/continue, flush, version, abort, disk/tensor updates) retry
@@ -32,13 +33,14 @@ import asyncio
 import base64
 import json
 import logging
-from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
 import aiohttp
 import msgspec
 import numpy as np
 
+from miles.engines.routed_experts import decode_routed_experts
+from miles.engines.sampling_params import SamplingParams
 from miles.wire.messages import VersionSpan
 
 log = logging.getLogger(__name__)
@@ -83,27 +85,6 @@ class EngineUnavailable(EngineError):
 
 
 # ---- typed results --------------------------------------------------------------------------
-
-class SamplingParams(msgspec.Struct, omit_defaults=True):
-    """SGLang sampling parameters; unset fields are not sent (the engine's defaults apply)."""
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    min_new_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    sampling_seed: int | None = None
-    n: int | None = None
-    logit_bias: dict[str, float] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-
 
 class FinishReason(msgspec.Struct, omit_defaults=True):
     type: Literal["stop", "length", "abort"]
@@ -158,34 +139,6 @@ def parse_weight_version(version: str) -> int:
                          "(Miles publishes versions as decimal strings)") from None
 
 
-def routed_experts_layout_from_config(model_path: str | Path) -> tuple[int, int] | None:
-    """(num_hidden_layers, num_experts_per_tok) from an HF config.json, or None for dense models."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    k = cfg.get("num_experts_per_tok")
-    return (int(cfg["num_hidden_layers"]), int(k)) if k else None
-
-
-def num_routed_experts(model_path: str | Path) -> int | None:
-    """The routed expert count of an HF config.json (Qwen3-MoE `num_experts`, DeepSeek
-    `n_routed_experts`, Mixtral `num_local_experts`), or None for a dense model."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
-        if cfg.get(key):
-            return int(cfg[key])
-    return None
-
-
-def decode_routed_experts(b64: str, layout: tuple[int, int]) -> np.ndarray:
-    layers, top_k = layout
-    flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
-    if flat.size % (layers * top_k):
-        raise ValueError(f"meta_info.routed_experts: {flat.size} int32 values are not a multiple of "
-                         f"layers*top_k = {layers}*{top_k}")
-    return flat.astype(np.int32, copy=False).reshape(-1, layers, top_k)
-
-
 def encode_tensor_payload(named_tensors) -> str:
     """`serialized_named_tensors` entry for the embedded engine: base64 of safetensors bytes.
 
@@ -195,16 +148,6 @@ def encode_tensor_payload(named_tensors) -> str:
     from safetensors.torch import save
     items = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
     return base64.b64encode(save({k: v.detach().contiguous().cpu() for k, v in items.items()})).decode()
-
-
-def tensor_sha256(t) -> str:
-    """The embedded engine's `/weights_checksum` of one tensor: sha256 of its raw bytes
-    (miles.weights.checks.tensor_sha256, the function the engine itself uses).
-
-    Cast to the engine's dtype first (e.g. `t.to(torch.bfloat16)`) to compare with a bf16 engine.
-    """
-    from miles.weights.checks import tensor_sha256 as sha256_of
-    return sha256_of(t)
 
 
 def _sampling_body(params) -> dict:
@@ -591,7 +534,7 @@ class EngineClient:
 
     async def weights_checksum(self, names: list[str] | None = None,
                                algorithm: str = "sha256") -> dict[str, str]:
-        """Embedded-engine extension: {checkpoint name: digest}. "sha256": see `tensor_sha256`;
+        """Embedded-engine extension: {checkpoint name: digest}. "sha256": see `miles.weights.checks.tensor_sha256`;
         "device": miles.weights.checks.device_digest, computed on the engine's device."""
         query = [f"names={','.join(names)}"] if names else []
         if algorithm != "sha256":

@@ -44,7 +44,8 @@ from typing import Any, Awaitable, Callable
 import msgspec
 import numpy as np
 
-from miles.envs.context import EpisodeContext, EpisodeLimitError, EpisodeStats, LazySandbox, sandbox_spec
+from miles.envs.context import (EpisodeContext, EpisodeLimitError, EpisodeStats, LazySandbox,
+                                no_sandbox, sandbox_spec)
 from miles.rl.rewards import call_off_loop, check_reward, load_function
 from miles.sandboxes.base import SandboxSpecError
 from miles.wire.messages import Sample
@@ -128,7 +129,7 @@ class EpisodeEnv:
         env = cls(recipe, engine, tokenizer, role=role, incarnation=incarnation, retry=retry,
                   reward_fn=reward_fn)
         if role == "rollout":
-            from miles.rl.episodes import EpisodeStore
+            from miles.episodes import EpisodeStore
             env.episodes = EpisodeStore.for_recipe(recipe, incarnation)
         if recipe.sandbox.backend:
             from miles.sandboxes import SandboxPool, get_backend
@@ -255,7 +256,6 @@ class EpisodeEnv:
 
 
 def _task(sample: Sample, recipe, sandbox: LazySandbox | None, sampling=None) -> dict[str, Any]:
-    from miles.envs.context import no_sandbox
     # keep_transcript: the agent returns its messages, which the episode store keeps
     return {"keep_transcript": recipe.logging.episodes, **sample.metadata,
             "prompt": sample.prompt, "label": sample.label, "id": sample.rollout_id,

@@ -49,6 +49,7 @@ from typing import Any, Awaitable, Callable
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
+from miles.engines.sampling_params import sampling_params
 from miles.rl.data import Prompt
 from miles.rl.rewards import check_reward
 from miles.seeds import sample_seed
@@ -77,7 +78,6 @@ class RolloutContext:
     _worker: Any
 
     def sampling_params(self, seed: int):
-        from miles.actors.rollout import sampling_params
         return sampling_params(self.recipe.rollout, seed)
 
     def sample_seed(self, prompt: Prompt, index: int, attempt: int = 0) -> int:

@@ -52,6 +52,9 @@ from typing import Any
 
 import aiohttp
 
+from miles.tito.families import get_family
+from miles.tito.messages import parse_openai_messages
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER_SCRIPT = Path(__file__).resolve().parent / "servers" / "openenv_server.py"
 SETUP_SCRIPT = ROOT / "scripts" / "envs" / "setup_openenv.sh"
@@ -229,8 +232,6 @@ def example_tasks(seed: int = 0, test_frac: float = 0.25) -> dict[str, list[dict
 def sft_rows(pairs: list[tuple[str, str]], family: str = "qwen3") -> list[dict[str, str]]:
     """Warm-start rows: a one-turn chat (`prompt`, rendered as the session server renders it) and
     the answer the model should give (shared with the HUD example)."""
-    from miles.tito.families import get_family
-    from miles.tito.messages import parse_openai_messages
     fam = get_family(family)
     return [{"prompt": fam.render(parse_openai_messages([{"role": "user", "content": p}]), None, 0, True),
              "label": answer} for p, answer in pairs]

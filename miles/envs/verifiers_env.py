@@ -64,6 +64,7 @@ from typing import Any
 
 import msgspec
 
+from miles.supervise import SupervisedProcess
 from miles.tiny import default_cache_dir
 
 API_KEY_VAR = "MILES_SESSION_API_KEY"    # Verifiers reads an endpoint's key from an env var
@@ -333,7 +334,6 @@ class _ServedEnv:
         import zmq.asyncio
 
         from miles.engines.procs import free_port
-        from miles.supervise import SupervisedProcess
         owner = self.owner
         python = owner.python or default_python()
         if not Path(python).exists() and os.sep in python:

@@ -2,8 +2,10 @@
 
 import sys
 
+from miles.cli import main as cli_main
+
+
 def main(argv: list[str] | None = None) -> int:
-    from miles.cli import main as cli_main
     return cli_main(["run", *(sys.argv[1:] if argv is None else argv)])
 
 

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 import zmq
 
@@ -19,7 +20,7 @@ from miles.node.metrics import Metrics
 from miles.node.placement import Child, Placement
 from miles.node.supervisor import Supervisor
 from miles.runtime import Actor, ActorError, Registry, Runtime, run_event_loop
-from miles.wire import auth
+from miles.wire import auth, shm
 from miles.wire.messages import Ok, Shutdown
 
 
@@ -123,12 +124,12 @@ class NodeDaemon(Placement, Supervisor, Cluster, Metrics, Logs, Actor):
         return Ok(detail=f"{self.name} shutting down")
 
 
-def run_node(recipe: Recipe, recipe_path_hint: str = "recipe") -> int:
-    """Write the resolved recipe into the run directory and run this node's daemon."""
-    from miles.rl.sources import prepare_recipe
-
+def run_node(recipe: Recipe, prepare: Callable[[Recipe], Recipe] = lambda recipe: recipe) -> int:
+    """Write the resolved recipe into the run directory and run this node's daemon. `prepare`
+    resolves what the recipe leaves to the run (the CLI passes `miles.rl.sources.prepare_recipe`:
+    the daemon knows nothing of RL); a Ctrl-C during it is a stop before the run started."""
     try:
-        recipe = prepare_recipe(recipe)
+        recipe = prepare(recipe)
         node = detect_node_env(default_host=recipe.cluster.host)
         out = recipe.output_dir
         out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,6 @@ def run_node(recipe: Recipe, recipe_path_hint: str = "recipe") -> int:
         finally:
             # Segments of a same-node call whose sender was SIGKILLed mid-call (miles/wire/shm.py):
             # every child of this node is gone now, so any of this job's left here is a leftover.
-            from miles.wire import shm
             shm.sweep(shm.job_prefix({**os.environ, "MILES_REGISTRY": daemon.registry_endpoint}))
     except KeyboardInterrupt:  # Ctrl-C before the daemon's own handler is installed
         print("stopped before the run started; run the same command again to start it", flush=True)

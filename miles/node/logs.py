@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles.config import Recipe
+from miles.console import RunProgress
 
 if TYPE_CHECKING:  # cluster's messages name where a run stopped (below): no import at run time
     from miles.node.cluster import NodeEnv
@@ -34,7 +35,6 @@ class Logs:
         driver = self.recipe.actors.get("driver")
         if self.node.node_rank != 0 or driver is None or not driver.cls.endswith(":LoopDriver"):
             return None
-        from miles.console import RunProgress
         lg = self.recipe.logging
         return RunProgress(Path(self.recipe.output_dir) / "metrics.jsonl", self.recipe.loop.num_steps,
                            every=lg.console_every, bar=None if lg.progress else False)

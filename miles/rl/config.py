@@ -3,8 +3,8 @@
 Defaults are chosen for a small GPU run; the quickstart recipe overrides what a CPU needs.
 
 Design decisions:
-- Every numeric field declares its range next to it (`Annotated[int, Meta(ge=1)]`), so msgspec
-  refuses a bad value at decode with the key path and the bound; `miles.config` words the message.
+- The sections of other parts live next to their code (`[engine]` in `miles/engines/config.py`,
+  `[sandbox]`, `[session]`, `[agent]` likewise; the shared number types in `miles/sections.py`).
   Rules that span fields or sections (sync mode vs max_staleness, the two temperatures) live in
   `miles.config._check`; rules about the world (paths exist, import paths resolve) in
   `miles.recipe_checks`.
@@ -17,14 +17,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-Count = Annotated[int, Meta(ge=0)]            # 0 is meaningful (none / off / the default)
-Positive = Annotated[int, Meta(ge=1)]
-Seconds = Annotated[float, Meta(gt=0.0)]      # every wait has a deadline; finiteness: config._check
-NonNegative = Annotated[float, Meta(ge=0.0)]
-
-
-class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+from miles.engines.config import EngineConfig
+from miles.sections import Count, NonNegative, Positive, Seconds, Section
 
 
 class LoopConfig(Section):
@@ -111,52 +105,6 @@ class RolloutConfig(Section):
     function: str = ""                # async def rollout(ctx, n_groups) -> list[Group] (one step's groups)
 
 
-class AgentConfig(Section):
-    """Limits of one episode (an agent run or a multi-turn generate), enforced by the framework
-    and handed to agents as `task["limits"]`. A sample that hits one is marked "truncated"."""
-    max_turns: Positive = 16          # model calls per episode
-    max_episode_tokens: Positive = 8192  # tokens the model may generate in one episode
-    turn_timeout_s: Seconds = 120.0   # one model call
-    episode_timeout_s: Seconds = 600.0  # the whole episode, tools and verifier excluded
-    tool_timeout_s: Seconds = 60.0    # one tool call in the sandbox
-    keep: Literal["drop_retries", "all", "last"] = "drop_retries"  # which session samples to train
-
-
-class SandboxConfig(Section):
-    """`[sandbox]`: one fresh sandbox per episode, created before its first tool call and destroyed
-    after the verifier in every outcome. A task's `metadata["image"]` overrides `image`, its
-    `metadata["sandbox"]` (SandboxSpec fields: a Harbor task's Dockerfile, limits, network) goes over
-    these keys for its episode (network only if both allow it), and its `metadata["files"]`
-    ({path: text}) are written into the sandbox when it is created."""
-    backend: str = ""                 # "" (none) | subprocess | bwrap | docker | e2b | daytona | modal | agentenv
-    image: str = ""                   # default image (container and cloud backends)
-    rootfs: str = ""                  # or a host directory as the root tree (subprocess, bwrap)
-    # CPU cores per sandbox (where the backend enforces it)
-    cpu: Annotated[float, Meta(gt=0.0, le=512.0)] = 1.0
-    # memory limit per sandbox
-    memory_mb: Annotated[int, Meta(ge=16)] = 1024
-    # give the sandbox network access
-    network: bool = False
-    # a sandbox left alive this long is destroyed by the backend (a safety net; the run destroys each
-    # after its episode)
-    ttl_s: Annotated[float, Meta(ge=1.0, le=604800.0)] = 3600.0
-    max_concurrent: Positive = 32     # live sandboxes at once (the pool's bound)
-    create_rate_per_s: NonNegative = 0.0  # 0: unlimited
-    options: dict[str, str | int | float | bool] = {}  # backend constructor options
-
-
-class SessionConfig(Section):
-    """`[session]`: the TITO session server, a supervised process in front of the gateway."""
-    enabled: Literal["auto", "on", "off"] = "auto"  # auto: on when rollout.agent is set
-    family: str = "qwen3"             # chat template + tool parser: qwen3 | llama3 | module:Class
-    max_context_tokens: Count = 0     # 0: the model's context length
-    session_ttl_s: Seconds = 3600.0   # idle sessions are dropped after this
-    # how a turn's messages are matched to the session's history (prefix reuse): default, or
-    # module:function
-    message_matcher: str = "default"
-    max_body_bytes: Annotated[int, Meta(ge=1024)] = 4 << 20  # larger requests get a 413 before they are read
-
-
 class BufferConfig(Section):
     capacity_groups: Positive = 64    # at least loop.groups_per_step, or no batch ever fills
     filter: str = "none"              # "none" | "nonzero_std" | "module:function"
@@ -166,46 +114,6 @@ class BufferConfig(Section):
     journal: bool = True              # journal accepted groups and slots under <output_dir>/buffer/
                                       # so a restarted buffer loses nothing it accepted
     journal_compact_records: Positive = 2000  # records between two rewrites as one snapshot
-
-
-class EngineConfig(Section):
-    # embedded: Miles' own torch engine; sglang: SGLang servers behind the smg gateway
-    kind: Literal["embedded", "sglang"] = "embedded"
-    # engine servers per node (each one DP replica)
-    num_engines: Positive = 1
-    # where the embedded engine runs (cpu, cuda, cuda:N)
-    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # what the embedded engine runs
-    # requests one engine decodes at once (continuous batching)
-    max_running_requests: Positive = 64
-    context_length: Annotated[int, Meta(ge=2)] = 4096  # a prompt token and a generated one
-    # torch intra-op threads of one embedded engine on CPU
-    torch_threads: Positive = 1
-    extra_args: list[str] = []         # the embedded engine's extra command-line flags
-    # each engine server's layout (the embedded engine: tp_size only); engine i uses GPUs base_gpu_id + i*tp*dp onwards
-    tp_size: Positive = 1
-    # SGLang data-parallel ranks inside one engine server
-    dp_size: Positive = 1
-    # SGLang expert-parallel ranks inside one engine server
-    ep_size: Positive = 1
-    # SGLang's share of GPU memory for weights and KV cache (None: SGLang's default)
-    mem_fraction_static: Annotated[float, Meta(gt=0.0, lt=1.0)] | None = None
-    base_gpu_id: Count = 0            # the first GPU of this node the engines use (after the trainer's)
-    sglang: dict[str, str | int | float | bool | list[str]] = {}  # any other SGLang flag, as written
-    # smg's routing policy across engines (manual, consistent_hashing, ...; sessions need a sticky one)
-    gateway_policy: str = "manual"
-    # an engine (or smg) must answer /health within this
-    start_timeout_s: Seconds = 600.0
-    # how often the fleet probes every engine, smg and the session server
-    health_interval_s: Seconds = 2.0
-    # engine restarts per restart_window_s (more wait for room; a first start gets 1 + this
-    # many tries); smg and the session server: quick deaths in a row before the fleet ends
-    max_restarts: Count = 3
-    # the restart budget's window; for smg and the session server a death this soon after
-    # becoming ready counts as quick (crash loops, not kills)
-    restart_window_s: NonNegative = 60.0
-    # with no engine up (serving or pending) for this long, the fleet ends the job with one line
-    no_engine_timeout_s: Seconds = 300.0
 
 
 class TeacherConfig(Section):

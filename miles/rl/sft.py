@@ -29,6 +29,7 @@ import asyncio
 import numpy as np
 
 from miles.rl.data import Prompt
+from miles.rl.teacher_scores import score_sample
 from miles.wire.messages import Sample
 
 REPRODUCTION_ROWS = 128   # rows scored at the end of the warm start (two engine requests each)
@@ -67,7 +68,6 @@ class EpochLoss:
 async def reproduction(url: str, tok, prompts: list[Prompt]) -> dict[str, float]:
     """Greedy reproduction and summed answer NLL per row, under the weights `url` serves now."""
     from miles.engines.client import EngineClient, SamplingParams
-    from miles.rl.teacher_scores import score_sample
 
     limit = asyncio.Semaphore(CONCURRENCY)
     async with EngineClient(url) as client:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from miles.config import ActorSpec
 from miles.rl.data import FileSource
 from miles.rl.rewards import load_function
 
@@ -70,17 +71,16 @@ RL_ROLES = {
     "driver": ("miles.loop:LoopDriver", {"main": True}),
     "buffer": ("miles.actors.buffer:Buffer", {}),
     "rollout": ("miles.actors.rollout:RolloutWorker", {}),
-    "engines": ("miles.actors.engines:EngineFleet", {}),
+    "engines": ("miles.engines.fleet:EngineFleet", {}),
     "trainer": ("miles.actors.trainer:Trainer", {"distributed": True}),
     "evaluator": ("miles.actors.evaluator:Evaluator", {}),
 }
-TEACHER_ROLE = ("teacher_engines", "miles.actors.teacher_fleet:TeacherFleet")  # with [teacher] only
+TEACHER_ROLE = ("teacher_engines", "miles.engines.fleet:TeacherFleet")  # with [teacher] only
 
 
 def with_default_actors(recipe):
     """An RL recipe (it names a model) gets the standard roles for those it does not place itself;
     `rollout.worker` picks the rollout class. A recipe of only its own actors is left alone."""
-    from miles.config import ActorSpec
 
     if not (recipe.model.path or recipe.model.tiny) or (recipe.actors and "driver" not in recipe.actors
                                                         and not any(k in recipe.actors for k in RL_ROLES)):

@@ -38,10 +38,11 @@ import uuid
 from typing import Mapping
 
 from miles.sandboxes import dockerfile as df
-from miles.sandboxes.base import (DEFAULT_WORKDIR, Backend, ExecResult, Sandbox,
-                                  SandboxCreateError, SandboxError, SandboxSpec, SandboxSpecError,
-                                  check, labels_match, timed_out_from, timeout_argv)
+from miles.sandboxes.base import (Backend, DEFAULT_WORKDIR, ExecResult, Sandbox, SandboxCreateError,
+                                  SandboxError, SandboxSpec, SandboxSpecError, check, labels_match,
+                                  sandbox_path, timed_out_from, timeout_argv)
 from miles.sandboxes.docker_api import DockerAPI, DockerAPIError
+from miles.sandboxes.rootfs import context_files, template_key
 
 LABEL_PREFIX = "miles.label."
 BACKSTOP_GRACE_S = 5.0
@@ -86,7 +87,6 @@ class DockerSandbox(Sandbox):
 
     async def upload_dir(self, path: str, files: Mapping[str, bytes]) -> None:
         self._check_live()
-        from miles.sandboxes.base import sandbox_path
         base = sandbox_path(path, self.workdir)
         await self.upload_dir_abs({sandbox_path(posixpath.join(base, rel), "/"): (data, 0o644)
                                    for rel, data in files.items()})
@@ -193,7 +193,6 @@ class DockerBackend(Backend):
         return self._built[spec.dockerfile]
 
     async def _build(self, path: str) -> str:
-        from miles.sandboxes.rootfs import context_files, template_key
         path = os.path.abspath(path)
         if not os.path.isfile(path):
             raise SandboxSpecError(f"SandboxSpec.dockerfile={path!r}: no such file")

@@ -38,6 +38,7 @@ from typing import Union
 import msgspec
 
 from miles.sandboxes import linux
+from miles.sandboxes.base import SandboxError
 
 SETUP_FAILED = "miles-sandbox-setup-failed: "
 
@@ -263,7 +264,6 @@ class SpawnerClient:
                 fut.set_result(None)
 
     def _broken(self, why: str) -> None:
-        from miles.sandboxes.base import SandboxError
         if self._sock is not None:
             self._loop.remove_reader(self._sock.fileno())
             self._sock.close()

@@ -19,12 +19,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
+from miles.tito.tokenizer import load_tokenizer
+
 _worker_tokenizer = None
 
 
 def _init(source: str) -> None:
     global _worker_tokenizer
-    from miles.tito.tokenizer import load_tokenizer
     _worker_tokenizer = load_tokenizer(source)
 
 

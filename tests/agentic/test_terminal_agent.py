@@ -18,7 +18,7 @@ import pytest_asyncio
 from miles.agentic.terminal import agent as term
 from miles.agentic.terminal.tasks import oracle_command, terminal_tasks
 from miles.envs.context import EpisodeStats, LazySandbox, sandbox_spec
-from miles.rl.config import SandboxConfig
+from miles.sandboxes.config import SandboxConfig
 from miles.sandboxes import SandboxPool, get_backend
 from miles.sandboxes.hostfs import default_base_dir
 from miles.tito.client import SessionServerClient

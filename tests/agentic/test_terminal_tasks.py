@@ -23,7 +23,7 @@ from miles.agentic.terminal.families import (FAMILIES, HELDOUT_CITIES, HELDOUT_S
                                              HELDOUT_WORDS, WORK, TaskRng)
 from miles.agentic.terminal.tasks import N_TASKS, ensure_task, generate, terminal_tasks, transcript
 from miles.envs.context import EpisodeStats, LazySandbox, sandbox_spec
-from miles.rl.config import SandboxConfig
+from miles.sandboxes.config import SandboxConfig
 from miles.sandboxes import SandboxPool, get_backend
 from miles.sandboxes.harbor import load_task, run_verifier, task_spec
 from miles.sandboxes.hostfs import default_base_dir

@@ -6,7 +6,8 @@ import torch
 from backend_helpers import make_samples
 
 from miles.backends import attention
-from miles.backends.packing import pack_first_fit, pack_samples, plan_batch
+from miles.backends.batch_plan import pack_first_fit, plan_batch
+from miles.backends.packing import pack_samples
 from miles.backends.policy import PackedPolicy
 from miles.tiny import build_tiny_model
 

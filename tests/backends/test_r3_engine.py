@@ -16,7 +16,8 @@ from miles.tiny import build_tiny_model
 
 
 async def _generate(path, prompt):
-    from miles.engines.client import EngineClient, SamplingParams, routed_experts_layout_from_config
+    from miles.engines.client import EngineClient, SamplingParams
+    from miles.engines.routed_experts import routed_experts_layout_from_config
     from miles.engines.embedded import launch_embedded_engine
 
     engine = await launch_embedded_engine(str(path), extra_args=["--enable-return-routed-experts"],

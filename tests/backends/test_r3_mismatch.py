@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 async def bf16_rollout(path, n_prompts: int, n_per: int, seed: int = 0) -> list[Sample]:
-    from miles.engines.client import EngineClient, SamplingParams, routed_experts_layout_from_config
+    from miles.engines.client import EngineClient, SamplingParams
+    from miles.engines.routed_experts import routed_experts_layout_from_config
     from miles.engines.embedded import launch_embedded_engine
 
     engine = await launch_embedded_engine(str(path), extra_args=[

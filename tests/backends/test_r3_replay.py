@@ -303,7 +303,7 @@ def test_the_old_logprob_pass_replays_the_same_routing(moe_path, backends):
 
 
 def test_the_rollout_takes_the_wire_dtype_from_the_models_expert_count(tmp_path, moe_path):
-    from miles.engines.client import num_routed_experts
+    from miles.engines.routed_experts import num_routed_experts
     assert num_routed_experts(moe_path) == E
     for key, n in (("n_routed_experts", 256), ("num_local_experts", 8)):   # DeepSeek, Mixtral
         (tmp_path / key).mkdir()

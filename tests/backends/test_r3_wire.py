@@ -11,7 +11,7 @@ from miles.algo.routing import pack_routing, unpack_routing
 from miles.backends import TrainConfig
 from miles.backends.batch import group_numbers
 from miles.backends.config import MegatronConfig
-from miles.backends.packing import plan_batch, sample_owners
+from miles.backends.batch_plan import plan_batch, sample_owners
 from miles.loop import shard_batch
 from miles.tiny import build_tiny_model
 from miles.wire.codec import Codec

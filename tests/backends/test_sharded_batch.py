@@ -25,7 +25,7 @@ from miles.algo import LossConfig
 from miles.algo.routing import pack_routing
 from miles.backends import TrainConfig
 from miles.backends.batch import batch_arrays, find_shard_error
-from miles.backends.packing import sample_owners
+from miles.backends.batch_plan import sample_owners
 from miles.loop import shard_batch
 from miles.wire.codec import Codec
 from miles.wire.messages import BatchIndex, Sample, TrainStep

@@ -262,7 +262,8 @@ async def test_inline_steps_pick_which_steps_run_on_the_event_loop(mode, short_p
 
     from miles.engines.embedded_engine.protocol import SamplingParams
     from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
-    from miles.engines.embedded_engine.scheduler import INLINE_MAX_TOKENS, Request, Scheduler
+    from miles.engines.embedded_engine.request import Request
+    from miles.engines.embedded_engine.scheduler import INLINE_MAX_TOKENS, Scheduler
     path = build_tiny_model(arch="qwen3")
     runner = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=4,
                                                  max_total_tokens=6000, context_length=4096))
@@ -301,7 +302,8 @@ async def test_inline_steps_pick_which_steps_run_on_the_event_loop(mode, short_p
 async def test_arrivals_wait_for_the_prefill_interval_then_share_one_prefill():
     from miles.engines.embedded_engine.protocol import SamplingParams
     from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
-    from miles.engines.embedded_engine.scheduler import Request, Scheduler
+    from miles.engines.embedded_engine.request import Request
+    from miles.engines.embedded_engine.scheduler import Scheduler
     path = build_tiny_model(arch="qwen3")
     runner = ModelRunner(str(path), RunnerConfig(device="cpu", max_running_requests=8,
                                                  max_total_tokens=2000, context_length=512))

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from miles.engines.client import (EngineClient, EngineRequestError, encode_tensor_payload,
-                                  tensor_sha256)
+from miles.engines.client import EngineClient, EngineRequestError, encode_tensor_payload
 from miles.engines.embedded import launch_embedded_engine
+from miles.weights.checks import tensor_sha256
 from miles.engines.embedded_engine.weights import init_custom_process_group
 from miles.weights.checks import device_digest
 from miles.engines.procs import free_port

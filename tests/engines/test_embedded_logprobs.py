@@ -159,7 +159,8 @@ async def test_moe_update_by_per_expert_and_fused_names(engines):
     """Checkpoint (per-expert) names and transformers-5 fused names both land in the experts."""
     from safetensors.torch import load_file
 
-    from miles.engines.client import encode_tensor_payload, tensor_sha256
+    from miles.engines.client import encode_tensor_payload
+    from miles.weights.checks import tensor_sha256
     path_a, url = engines["qwen3_moe"]
     path_b = build_tiny_model(arch="qwen3_moe", seed=1)
     sd_a, sd_b = (load_file(str(p / "model.safetensors")) for p in (path_a, path_b))

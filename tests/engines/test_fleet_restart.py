@@ -15,10 +15,11 @@ import psutil
 import pytest
 
 from miles.runtime import Runtime
-from miles.actors.engines import EngineFleet
+from miles.engines.fleet import EngineFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.client import EngineClient
-from miles.rl.config import EngineConfig, ModelConfig
+from miles.engines.config import EngineConfig
+from miles.rl.config import ModelConfig
 from miles.wire.messages import EnginesUpdated, GetEngines
 
 

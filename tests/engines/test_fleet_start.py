@@ -9,9 +9,10 @@ import asyncio
 import time
 
 from miles.runtime import RemoteError, Runtime
-from miles.actors.engines import EngineFleet
+from miles.engines.fleet import EngineFleet
 from miles.config import Recipe, RunConfig
-from miles.rl.config import EngineConfig, ModelConfig
+from miles.engines.config import EngineConfig
+from miles.rl.config import ModelConfig
 from miles.wire.messages import GetEngines
 
 

@@ -25,7 +25,8 @@ from miles.engines.embedded_engine.kv_cache import KVPool
 from miles.engines.embedded_engine.prefix_cache import PrefixCache
 from miles.engines.embedded_engine.protocol import SamplingParams
 from miles.engines.embedded_engine.runner import ModelRunner, RunnerConfig
-from miles.engines.embedded_engine.scheduler import Request, Scheduler
+from miles.engines.embedded_engine.request import Request
+from miles.engines.embedded_engine.scheduler import Scheduler
 from miles.tiny import build_tiny_model
 
 LOGPROB_TOL = 1e-5

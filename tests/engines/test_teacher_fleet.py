@@ -1,4 +1,4 @@
-"""The teacher's engine fleet (`[teacher]`, miles/actors/teacher_fleet.py): launched by the engine
+"""The teacher's engine fleet (`[teacher]`, miles/engines/fleet/teacher.py): launched by the engine
 fleet's own code from `[teacher.engine]` and the teacher's model, logs under `<run>/teacher/logs/`;
 a killed teacher engine comes back serving at once (it never waits for weights), and it scores
 prompt log-probs through the gateway. Real engines, a real smg, 127.0.0.1."""
@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from miles.runtime import Runtime
-from miles.actors.teacher_fleet import TeacherFleet
+from miles.engines.fleet import TeacherFleet
 from miles.config import Recipe, RunConfig
 from miles.engines.client import EngineClient
-from miles.rl.config import EngineConfig, ModelConfig, TeacherConfig
+from miles.engines.config import EngineConfig
+from miles.rl.config import ModelConfig, TeacherConfig
 from miles.rl.teacher_scores import score_sample
 from miles.wire.messages import GetEngines, Sample
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from miles.engines.embedded_engine.model import Weights, load_hf_config, shape_from_config
+from miles.engines.embedded_engine.params import Weights
+from miles.engines.embedded_engine.shapes import load_hf_config, shape_from_config
 from miles.tiny import build_tiny_model
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from miles.envs.context import sandbox_spec
 from miles.envs.harbor_env import task_rows
-from miles.rl.config import SandboxConfig
+from miles.sandboxes.config import SandboxConfig
 from miles.sandboxes.base import SandboxSpecError
 from miles.wire.messages import Sample
 

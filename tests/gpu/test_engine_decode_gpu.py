@@ -27,7 +27,7 @@ PROMPTS, NEW = 24, 40
 def generate(graphs: bool, temperature: float) -> tuple[list[list[int]], list[list[float]]]:
     from miles.engines.embedded import build_parser, build_server
     from miles.engines.embedded_engine.protocol import SamplingParams
-    from miles.engines.embedded_engine.scheduler import Request
+    from miles.engines.embedded_engine.request import Request
     path = build_tiny_model(**MODEL)
     ns = build_parser().parse_args(["--model-path", str(path), "--skip-tokenizer-init", "--device", "cuda",
                                     "--dtype", "bfloat16", "--max-running-requests", "32",

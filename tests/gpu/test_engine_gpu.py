@@ -223,7 +223,8 @@ async def test_nccl_weight_update(tmp_path):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from miles.engines.client import EngineClient, tensor_sha256
+    from miles.engines.client import EngineClient
+    from miles.weights.checks import tensor_sha256
     from miles.engines.embedded_engine.weights import init_custom_process_group
     from miles.engines.procs import free_port
     path, engine = await _serve(tmp_path, "--dtype", "float32")  # engine on cuda:0

@@ -19,7 +19,7 @@ from miles.algo import LossConfig, compute_advantages
 from miles.algo.layout import cu_seqlens_from_lengths
 from miles.backends import RankInfo, TrainConfig, make_backend
 from miles.backends.batch import check_batch
-from miles.backends.packing import plan_batch
+from miles.backends.batch_plan import plan_batch
 from miles.tiny import build_tiny_model
 from miles.wire.messages import (BufferMetricsRequest, GetBatch, Group, PutGroup, Reserve, Sample,
                                  VersionSpan)

@@ -1,4 +1,4 @@
-"""The episode store (`miles.rl.episodes`): records written by the real writer thread, the size
+"""The episode store (`miles.episodes`): records written by the real writer thread, the size
 cap, success sampling, a torn last line; `miles episodes` on a run directory; the dashboard's
 episode browser rendered by a real headless Chromium."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from miles.rl.episodes import FILE, ROTATED, EpisodeFile, EpisodeStore, select
+from miles.episodes import FILE, ROTATED, EpisodeFile, EpisodeStore, select
 from miles.wire.messages import Group, Sample, VersionSpan
 from tests.ports import cluster_port
 from tests.runtime.test_observe import free_port, render

@@ -20,9 +20,11 @@ import pytest
 import pytest_asyncio
 
 from miles.runtime import Runtime
-from miles.actors.engines import EngineFleet
+from miles.engines.fleet import EngineFleet
 from miles.config import Recipe, RunConfig
-from miles.rl.config import EngineConfig, ModelConfig, SessionConfig
+from miles.engines.config import EngineConfig
+from miles.rl.config import ModelConfig
+from miles.tito.config import SessionConfig
 from miles.wire.messages import GetEngines, GetMetrics
 from tests.ports import cluster_port
 

@@ -282,7 +282,8 @@ def _engine_weights_and_group(name: str):
     """A tiny model's engine weights (fp32, CPU) and an UpdateGroups holding a one-rank gloo group
     `name` (rank 0 is the broadcasts' source, so a receive completes at once)."""
     import socket
-    from miles.engines.embedded_engine.model import Weights, shape_from_config, load_hf_config
+    from miles.engines.embedded_engine.params import Weights
+    from miles.engines.embedded_engine.shapes import load_hf_config, shape_from_config
     from miles.engines.embedded_engine.weights import UpdateGroups, init_custom_process_group
     from miles.tiny import build_tiny_model
     weights = Weights(shape_from_config(load_hf_config(build_tiny_model(arch="qwen3"))),

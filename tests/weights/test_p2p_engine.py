@@ -182,7 +182,8 @@ def test_p2p_quickstart_recipe_publishes_exact_slices_and_keeps_learning(tmp_pat
                                                   "resume_s"))
         assert r["weights/stall_s"] > 0 and abs(parts - r["weights/stall_s"]) < 1e-5
     # every sender's counted bytes per engine rank, every version, equal its planned pieces
-    from miles.engines.embedded_engine.model import Weights, load_hf_config, shape_from_config
+    from miles.engines.embedded_engine.params import Weights
+    from miles.engines.embedded_engine.shapes import load_hf_config, shape_from_config
     import torch
     w = Weights(shape_from_config(load_hf_config(build_tiny_model(arch="qwen3"))),
                 torch.device("meta"), torch.float32)

@@ -49,7 +49,8 @@ async def run_rows(session_url: str, rows: list[dict], *, k: int = 1, temperatur
     from miles.agentic.terminal import agent as term
     from miles.envs.agent import run_agent
     from miles.envs.context import EpisodeStats, LazySandbox, sandbox_spec
-    from miles.rl.config import AgentConfig, SandboxConfig
+    from miles.envs.config import AgentConfig
+    from miles.sandboxes.config import SandboxConfig
     from miles.sandboxes import SandboxPool, get_backend
     from miles.tito.client import SessionServerClient
 

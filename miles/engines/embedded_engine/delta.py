@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 from miles.engines.embedded_engine.protocol import BadRequest, decode_body
+from miles.weights.delta_format import DeltaError, decode_entry, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,6 @@ class DeltaUpdates:
         return _json({"success": True, "message": "Discarded the prepared delta."})
 
     async def prepare(self, b: DeltaReq):
-        from miles.weights.delta_format import DeltaError
         if not b.path:
             raise BadRequest("path: required for phase 'prepare'", "path")
         if not 1 <= b.threads <= MAX_THREADS:
@@ -201,7 +201,6 @@ class DeltaUpdates:
                                  f"{time.perf_counter() - t0:.2f} s"})
 
     def _decode(self, path: str, current_version: str, threads: int):
-        from miles.weights.delta_format import DeltaError, decode_entry, read_manifest
         weights = self.server.runner.model.weights
         manifest = read_manifest(path)
         if manifest.base_version is not None and str(manifest.base_version) != current_version:

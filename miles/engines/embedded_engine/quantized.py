@@ -52,7 +52,7 @@ _PART_DTYPES = {
 }
 
 
-# The dense linears of a layer's storage (model.Weights) that --fp8-gemm may hold in FP8.
+# The dense linears of a layer's storage (params.Weights) that --fp8-gemm may hold in FP8.
 FP8_LINEARS = ("qkv_w", "o_w", "gate_up_w", "down_w")
 FP8_GEMM_MODES = ("auto", "on", "off")
 

@@ -37,6 +37,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from miles.engines.embedded_engine.args import build_parser
+from miles.supervise import SupervisedProcess
+
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0   # every rank joins the TP group (each loads the checkpoint first)
@@ -109,7 +112,6 @@ class Workers:
     """Rank 0's TP workers: started, watched (a dead one ends the server), stopped."""
 
     def __init__(self, argv: list[str], size: int, port: int):
-        from miles.supervise import SupervisedProcess
         self.procs = [SupervisedProcess(f"embedded-tp{r}", worker_argv(argv, r, port),
                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
                       for r in range(1, size)]
@@ -168,7 +170,6 @@ def serve_worker(runner) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from miles.engines.embedded import build_parser
     from miles.engines.embedded_engine.runner import ModelRunner, runner_config
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -54,12 +54,12 @@ from pathlib import Path
 import msgspec
 import torch
 
+from miles.engines.embedded_engine.params import IGNORED_CHECKPOINT_SUFFIXES, Weights
+from miles.engines.embedded_engine.shapes import load_hf_config, shape_from_config
 from miles.weights.buckets import wait_stream
+from miles.weights.checks import CHECKSUMS
 from miles.weights.cuda_ipc import DIRECT_FORMAT
 from miles.weights.process_group import broadcast_all
-from miles.weights.checks import CHECKSUMS
-from miles.engines.embedded_engine.model import (IGNORED_CHECKPOINT_SUFFIXES, Weights,
-                                                 load_hf_config, shape_from_config)
 
 
 def parse_dtype(name: str) -> torch.dtype:

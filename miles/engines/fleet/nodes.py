@@ -35,9 +35,10 @@ import time
 
 import aiohttp
 
+from miles.engines.fleet.slots import EngineSlot
 from miles.wire.messages import Message, Ok
 
-log = logging.getLogger("miles.actors.engines")
+log = logging.getLogger("miles.engines.fleet")
 
 
 class NodeEngines(Message):
@@ -142,7 +143,6 @@ class NodeFleet:
         return [s for s in self.slots if s.node == node and not s.gave_up]
 
     async def on_node_engines(self, msg: NodeEngines) -> Ok:
-        from miles.actors.engines import _Slot
         joined = self._node_joined.get(msg.node)
         if joined is None:
             raise FleetError(f"{self.name}: node {msg.node} is not one of this fleet's nodes "
@@ -153,7 +153,7 @@ class NodeFleet:
         if again:
             self._bump_generation()
         for index, url in enumerate(msg.urls):  # "" : that engine did not start; it is still tried
-            self.slots.append(_Slot(len(self.slots),
+            self.slots.append(EngineSlot(len(self.slots),
                                     engine=RemoteEngine(self, msg.node, index, url) if url else None,
                                     node=msg.node, remote_index=index,
                                     ready_at=time.monotonic() if again else 0.0,

@@ -45,6 +45,8 @@ from typing import Any
 
 import msgspec
 
+from miles.wire.messages import scalar_reward
+
 FILE, ROTATED = "episodes.jsonl", "episodes.1.jsonl"
 MAX_PENDING = 4096          # records queued for the writer thread before new ones are dropped
 
@@ -197,7 +199,6 @@ def failure_reason(sample) -> str:
 
 def record_of(sample, run: str, reward_key: str = "", decision: str = "",
               reason: str = "") -> EpisodeRecord:
-    from miles.wire.messages import scalar_reward
     meta = sample.metadata
     try:
         score = None if sample.reward is None else scalar_reward(sample.reward, reward_key)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from miles.actors.engines import EngineFleet
+from miles.engines.fleet.fleet import EngineFleet
 
 log = logging.getLogger(__name__)
 
