@@ -113,7 +113,7 @@ def test_terminal_cpu_runs_three_rl_steps_with_verifier_rewards(tmp_path):
     for r in evals.values():
         assert (r["eval/n"], r["eval/k"]) == (12.0, 2.0) and 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0, r
     data = out / "data"
-    assert sum(1 for _ in open(data / "train.jsonl")) == 360 and sum(1 for _ in open(data / "test.jsonl")) == 40
+    assert sum(1 for _ in open(data / "train.jsonl")) == 300 and sum(1 for _ in open(data / "test.jsonl")) == 100
     closed_cleanly(out)
 
 

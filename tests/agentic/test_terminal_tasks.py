@@ -242,7 +242,7 @@ def test_cpu_set_is_graded_and_its_transcripts_copy_what_was_shown(cpu_splits):
     """The CPU recipe's set: the ten fixed-shape families, each in both splits, every row graded,
     and every transcript argument a family command word or copied from the prompt."""
     rows = all_rows(cpu_splits)
-    assert (len(cpu_splits["train"]), len(cpu_splits["test"])) == (N_TASKS_CPU - 40, 40)
+    assert (len(cpu_splits["train"]), len(cpu_splits["test"])) == (N_TASKS_CPU - 100, 100)
     assert {r["metadata"]["family"] for r in cpu_splits["test"]} == set(DIFFICULTY) == \
         {f(TaskRng("name")).family for f in CPU_FAMILIES}
     assert all(r["metadata"]["eval_groups"] == [r["metadata"]["family"], DIFFICULTY[r["metadata"]["family"]]]
@@ -282,5 +282,5 @@ def test_cpu_set_held_out_tasks_name_only_held_out_coined_names(cpu_splits, tmp_
 
 
 async def test_cpu_set_oracle_scores_one_and_null_zero_on_a_sample(cpu_splits, base_dir):
-    families = {r["metadata"]["family"]: r for r in cpu_splits["test"] + cpu_splits["train"][:40]}
+    families = {r["metadata"]["family"]: r for r in cpu_splits["test"][:40] + cpu_splits["train"][:40]}
     assert await check_rows(list(families.values()), "subprocess", base_dir) == []

@@ -2,7 +2,7 @@
 
     [data]
     task = "miles.agentic.terminal.tasks:terminal_tasks"     # 48 tasks, a quarter held out
-    task = "miles.agentic.terminal.tasks:terminal_tasks_cpu" # the CPU recipe's: 400, 40 held out
+    task = "miles.agentic.terminal.tasks:terminal_tasks_cpu" # the CPU recipe's: 400, 100 held out
 
     generate(out_dir, seed=0, n=48)  -> [TaskRecord]: writes out_dir/<name>/ in Harbor layout
     terminal_tasks(seed, test_frac)  -> {"train", "test", "sft"} rows (the `data.task` contract)
@@ -261,11 +261,12 @@ def terminal_tasks_compact(seed: int = 0, test_frac: float = 0.25) -> dict[str, 
 N_TASKS_CPU = 400
 
 
-def terminal_tasks_cpu(seed: int = 0, test_frac: float = 0.1, out_dir: str | Path | None = None
+def terminal_tasks_cpu(seed: int = 0, test_frac: float = 0.25, out_dir: str | Path | None = None
                        ) -> dict[str, list[dict]]:
     """The CPU recipe's set: 400 tasks of the ten families of `families.CPU_FAMILIES` (one command
     of a fixed shape, graded easy / medium / hard: `eval_groups`), names coined and split by a hash
-    (held-out names never occur in a train task), no tool schemas, 40 held out. ~36 train tasks a
-    family teach the shape and the copying, not 36 commands to memorise."""
+    (held-out names never occur in a train task), no tool schemas; a recipe's `data.task` gets
+    test_frac 0.25: 300 train, 100 held out. ~30 train tasks a family, to teach the shape and the
+    copying, not commands to memorise."""
     return terminal_tasks(seed, test_frac, n=N_TASKS_CPU, out_dir=out_dir, declare_tools=False,
                           task_set="cpu")
