@@ -32,6 +32,8 @@ def stand_in_model() -> str:
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_terminal_recipes_pass_miles_check_in_every_eval_mode(name, mode):
     overrides = [f"model.path={stand_in_model()!r}"] if name == "cluster" else []
+    if name == "cpu" and mode[0] != "eval.mode='shared'":
+        overrides.append("sft.until_heldout=0")   # its held-out checks run on the rollout engines
     recipe = load_recipe(RECIPES[name], overrides=overrides + mode)
     assert check_recipe(recipe, str(RECIPES[name])) == []
     assert recipe.rollout.agent == "miles.agentic.terminal.agent:agent"
@@ -95,7 +97,8 @@ def test_terminal_cpu_runs_three_rl_steps_with_verifier_rewards(tmp_path):
     out = tmp_path / "terminal-cpu"
     # a short warm-start: the tool-call format starts to show; rewards are mostly 0 at 3 steps
     code, log = run_recipe(out, ["loop.num_steps=3", "loop.eval_every=3", "sft.steps=20", "sft.batch_size=8",
-                                 "eval.samples_per_prompt=2"], timeout_s=850)
+                                 "sft.until_heldout=0", "eval.samples_per_prompt=2", "eval.n_prompts=12"],
+                           timeout_s=850)
     assert code == 0, log[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
@@ -110,7 +113,7 @@ def test_terminal_cpu_runs_three_rl_steps_with_verifier_rewards(tmp_path):
     for r in evals.values():
         assert (r["eval/n"], r["eval/k"]) == (12.0, 2.0) and 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0, r
     data = out / "data"
-    assert sum(1 for _ in open(data / "train.jsonl")) == 36 and sum(1 for _ in open(data / "test.jsonl")) == 12
+    assert sum(1 for _ in open(data / "train.jsonl")) == 300 and sum(1 for _ in open(data / "test.jsonl")) == 100
     closed_cleanly(out)
 
 
@@ -123,7 +126,8 @@ def test_held_out_pass_at_k_in_every_eval_mode_with_the_oracle(tmp_path, mode):
     evaluator's own on the step's checkpoint; external: `miles.agentic.terminal.evaluate`)."""
     out = tmp_path / f"terminal-oracle-{mode}"
     oracle = "miles.agentic.terminal.agent:oracle_agent"
-    overrides = [f"rollout.agent={oracle!r}", "sft.steps=0", "loop.num_steps=1", "loop.eval_every=1",
+    overrides = [f"rollout.agent={oracle!r}", "sft.steps=0", "sft.until_heldout=0", "eval.n_prompts=12",
+                 "loop.num_steps=1", "loop.eval_every=1",
                  "loop.groups_per_step=2", "rollout.n_samples_per_prompt=2", "eval.samples_per_prompt=2",
                  f"eval.mode={mode!r}"]
     if mode == "external":

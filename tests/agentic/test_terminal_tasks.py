@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from miles.agentic.terminal import agent as term
-from miles.agentic.terminal.families import (FAMILIES, HELDOUT_CITIES, HELDOUT_SERVICES,
-                                             HELDOUT_WORDS, WORK, TaskRng)
-from miles.agentic.terminal.tasks import N_TASKS, ensure_task, generate, terminal_tasks, transcript
+from miles.agentic.terminal.families import (COINED, COINED_HELDOUT, COINED_TRAIN, CPU_FAMILIES, DIFFICULTY,
+                                             FAMILIES, HELDOUT_CITIES, HELDOUT_SERVICES, HELDOUT_WORDS, WORK,
+                                             TaskRng)
+from miles.agentic.terminal.tasks import (N_TASKS, N_TASKS_CPU, ensure_task, generate, terminal_tasks,
+                                          terminal_tasks_cpu, transcript)
 from miles.envs.context import EpisodeStats, LazySandbox, sandbox_spec
 from miles.sandboxes.config import SandboxConfig
 from miles.sandboxes import SandboxPool, get_backend
@@ -229,3 +231,56 @@ async def test_harbor_path_builds_the_environment_and_verifies(splits, base_dir,
     finally:
         assert await backend.sweep(LABELS) == 0
         await backend.close()
+
+
+@pytest.fixture(scope="module")
+def cpu_splits(tmp_path_factory):
+    return terminal_tasks_cpu(seed=0, out_dir=tmp_path_factory.mktemp("terminal-tasks-cpu"))
+
+
+def test_cpu_set_is_graded_and_its_transcripts_copy_what_was_shown(cpu_splits):
+    """The CPU recipe's set: the ten fixed-shape families, each in both splits, every row graded,
+    and every transcript argument a family command word or copied from the prompt."""
+    rows = all_rows(cpu_splits)
+    assert (len(cpu_splits["train"]), len(cpu_splits["test"])) == (N_TASKS_CPU - 100, 100)
+    assert {r["metadata"]["family"] for r in cpu_splits["test"]} == set(DIFFICULTY) == \
+        {f(TaskRng("name")).family for f in CPU_FAMILIES}
+    assert all(r["metadata"]["eval_groups"] == [r["metadata"]["family"], DIFFICULTY[r["metadata"]["family"]]]
+               and r["metadata"]["task_set"] == "cpu" and not r["metadata"]["declare_tools"] for r in rows)
+    vocab = {f(TaskRng("name")).family: family_vocabulary(f) for f in CPU_FAMILIES}
+    for r in rows:
+        seen = set()
+        for m in transcript(r):
+            for call in m.get("tool_calls") or []:
+                args = json.loads(call["function"]["arguments"])
+                unseen = {t for v in args.values() for t in TOKEN.findall(v)} - seen \
+                    - vocab[r["metadata"]["family"]] - {"done"}
+                assert not unseen, (r["metadata"]["task_name"], sorted(unseen), args)
+            if m["role"] != "assistant":
+                seen |= set(TOKEN.findall(m["content"] or ""))
+
+
+def test_cpu_set_held_out_tasks_name_only_held_out_coined_names(cpu_splits, tmp_path):
+    """Coined names split by a hash: no held-out name occurs in a train task, and a held-out task's
+    names all come from the held-out side (the model must copy names it never trained on)."""
+    assert not set(COINED_TRAIN) & set(COINED_HELDOUT) and len(COINED_HELDOUT) > 900
+
+    def names(rows):
+        return {t for r in rows for text in [r["prompt"], *r["metadata"]["files"].values()]
+                for t in TOKEN.findall(text)} & set(COINED)
+    train, test = names(cpu_splits["train"]), names(cpu_splits["test"])
+    assert len(test) > 100 and len(train) > 1000
+    assert test <= set(COINED_HELDOUT) and train <= set(COINED_TRAIN)
+    prompts = {r["prompt"] for r in cpu_splits["train"]}
+    assert not prompts & {r["prompt"] for r in cpu_splits["test"]}
+    # a row names its set: a node without the directory writes the same task again
+    r = cpu_splits["test"][0]
+    path = ensure_task({**r["metadata"], "task_dir": str(tmp_path / r["metadata"]["task_name"])})
+    assert load_task(path).instruction.strip() == r["prompt"]
+    with pytest.raises(ValueError, match="task_set='gpu'"):
+        ensure_task({**r["metadata"], "task_dir": str(tmp_path / "x" / "y"), "task_set": "gpu"})
+
+
+async def test_cpu_set_oracle_scores_one_and_null_zero_on_a_sample(cpu_splits, base_dir):
+    families = {r["metadata"]["family"]: r for r in cpu_splits["test"][:40] + cpu_splits["train"][:40]}
+    assert await check_rows(list(families.values()), "subprocess", base_dir) == []

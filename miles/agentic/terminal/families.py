@@ -21,7 +21,9 @@ Design decisions:
 
 from __future__ import annotations
 
+import hashlib
 import io
+import itertools
 import random
 import tarfile
 from dataclasses import dataclass, field
@@ -42,6 +44,23 @@ HELDOUT_SERVICES = ("ledger", "notifier", "profiler", "queue", "router", "schedu
                     "uploader", "vault", "webhook")
 HELDOUT_CITIES = ("accra", "baku", "cusco", "doha", "essen", "fargo", "goa", "hilo", "izmir", "jeddah",
                   "kobe")
+# The CPU task set's names: coined two-syllable words (4,900), split by a hash into train (3/4)
+# and held-out (1/4) pools, so a model that solves held-out tasks copies names it never saw in
+# training (with 30 train words it could learn them instead of learning to copy).
+_ONSETS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+# words the instructions, files and commands use themselves are no names (a test checks it)
+_RESERVED = {"base", "data", "done", "dune", "file", "line", "make", "mode", "more", "name", "node",
+             "none", "note", "pipe", "role", "same", "side", "size", "sole", "time", "todo", "zero"}
+COINED = tuple(w for w in (a + b + c + d for a, b, c, d in itertools.product(_ONSETS, _VOWELS, _ONSETS, _VOWELS))
+               if w not in _RESERVED)
+
+
+def coined_heldout(word: str) -> bool:
+    return hashlib.sha256(word.encode()).digest()[0] % 4 == 0
+
+
+COINED_TRAIN = tuple(w for w in COINED if not coined_heldout(w))
+COINED_HELDOUT = tuple(w for w in COINED if coined_heldout(w))
 LEVELS = ("INFO", "WARN", "ERROR", "DEBUG")
 EXTS = ("log", "txt", "csv", "md", "json", "cfg")
 
@@ -57,10 +76,16 @@ class TaskParts:
 
 
 class TaskRng(random.Random):
-    """A family's RNG and the name pools it draws from: the train pools, or the held-out ones."""
+    """A family's RNG and the name pools it draws from: the train pools, or the held-out ones;
+    `coined`: every name (word, service, city) from the coined pool of that side, and the
+    families' fixed directory names replaced by one too (no held-out prompt repeats a train one)."""
 
-    def __init__(self, seed: str, heldout: bool = False):
+    def __init__(self, seed: str, heldout: bool = False, coined: bool = False):
         super().__init__(seed)
+        self.coined = coined
+        if coined:
+            self.words = self.services = self.cities = COINED_HELDOUT if heldout else COINED_TRAIN
+            return
         self.words = HELDOUT_WORDS if heldout else WORDS
         self.services = HELDOUT_SERVICES if heldout else SERVICES
         self.cities = HELDOUT_CITIES if heldout else CITIES
@@ -68,6 +93,14 @@ class TaskRng(random.Random):
 
 def _names(rng: random.Random, pool: tuple[str, ...], k: int) -> list[str]:
     return rng.sample(pool, k)
+
+
+def _dir(rng: TaskRng, fixed: tuple[str, ...]) -> str:
+    """A fixed directory name (drawn as the "all" set always drew it), or with coined names a
+    coined one."""
+    if rng.coined:
+        return rng.choice(rng.words)
+    return fixed[0] if len(fixed) == 1 else rng.choice(fixed)
 
 
 def _heredoc(path: str, text: str, tag: str = "MILES_EXPECTED") -> str:
@@ -100,7 +133,7 @@ def grep_count(rng: random.Random) -> TaskParts:
 def sort_unique(rng: random.Random) -> TaskParts:
     vocab = _names(rng, rng.words, rng.randint(6, 12))
     words = [rng.choice(vocab) for _ in range(rng.randint(20, 40))]
-    stem = rng.choice(("words", "tags", "labels", "colors", "names"))
+    stem = _dir(rng, ("words", "tags", "labels", "colors", "names"))
     src, dst = f"{WORK}/data/{stem}.txt", f"{WORK}/{stem}-{rng.choice(('unique', 'distinct', 'set'))}.txt"
     want = "\n".join(sorted(set(words)))
     reverse = rng.random() < 0.5
@@ -209,7 +242,7 @@ def fix_config(rng: random.Random) -> TaskParts:
 
 
 def archive_create(rng: random.Random) -> TaskParts:
-    d = rng.choice(("docs", "reports", "notes", "drafts"))
+    d = _dir(rng, ("docs", "reports", "notes", "drafts"))
     files = {}
     for name in _names(rng, rng.words, rng.randint(2, 4)):
         files[f"{WORK}/{d}/{name}.txt"] = f"{name} {rng.randint(100, 999)}\n"
@@ -333,7 +366,7 @@ def write_script(rng: random.Random) -> TaskParts:
 
 
 def rename_ext(rng: random.Random) -> TaskParts:
-    d, src, dst = f"{WORK}/inbox", rng.choice(("txt", "log")), rng.choice(("md", "bak"))
+    d, src, dst = f"{WORK}/{_dir(rng, ('inbox',))}", rng.choice(("txt", "log")), rng.choice(("md", "bak"))
     files, after = {}, {}
     for name in _names(rng, rng.words, rng.randint(3, 6)):
         files[f"{d}/{name}.{src}"] = after[f"{d}/{name}.{dst}"] = f"{name}\n"
@@ -350,7 +383,7 @@ def rename_ext(rng: random.Random) -> TaskParts:
 
 
 def grep_which(rng: random.Random) -> TaskParts:
-    d = f"{WORK}/notes"
+    d = f"{WORK}/{_dir(rng, ('notes',))}"
     token = f"TICKET-{rng.randint(1000, 9999)}"
     names = [f"{w}.txt" for w in _names(rng, rng.words, rng.randint(5, 9))]
     files = {f"{d}/{n}": " ".join(rng.sample(rng.words, 6)) + f"\nref TICKET-{rng.randint(10, 999)}\n" for n in names}
@@ -391,7 +424,7 @@ def filter_csv(rng: random.Random) -> TaskParts:
     rows = [(f"{w}{i}", rng.choice(roles)) for i, w in enumerate(rng.sample(rng.words, rng.randint(8, 14)))]
     if not any(r == role for _, r in rows):
         rows[0] = (rows[0][0], role)
-    org = rng.choice(("acme", "globex", "initech", "umbrella", "hooli"))
+    org = _dir(rng, ("acme", "globex", "initech", "umbrella", "hooli"))
     field = rng.choice(("name", "email"))
     path, out = f"{WORK}/{org}/users.csv", f"{WORK}/{org}-{role}-{field}s.txt"
     body = "name,role,email\n" + "".join(f"{n},{r},{n}@{org}.example\n" for n, r in rows)
@@ -407,3 +440,13 @@ def filter_csv(rng: random.Random) -> TaskParts:
 FAMILIES = (grep_count, sort_unique, top_value, column_sum, sed_replace, fix_config, archive_create,
             archive_extract, permissions, find_files, write_script, rename_ext, grep_which,
             set_difference, filter_csv)
+
+# The CPU task set (`tasks.terminal_tasks_cpu`): the families whose command is one fixed shape with
+# the prompt's names and values copied in (up to ~95 tokens with the tiny tokenizer), graded by how
+# much is copied. A 2-layer model learns these shapes from many coined-name tasks; the longer
+# families above (awk programs over a column found by name, heredoc scripts) it cannot.
+CPU_FAMILIES = (sed_replace, archive_create, sort_unique, rename_ext, grep_count, permissions, grep_which,
+                set_difference, column_sum, filter_csv)
+DIFFICULTY = {"sed-replace": "easy", "archive-create": "easy", "sort-unique": "easy", "rename-ext": "easy",
+              "grep-count": "medium", "permissions": "medium", "grep-which": "medium",
+              "set-difference": "medium", "column-sum": "hard", "filter-csv": "hard"}

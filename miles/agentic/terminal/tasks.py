@@ -2,6 +2,7 @@
 
     [data]
     task = "miles.agentic.terminal.tasks:terminal_tasks"     # 48 tasks, a quarter held out
+    task = "miles.agentic.terminal.tasks:terminal_tasks_cpu" # the CPU recipe's: 400, 100 held out
 
     generate(out_dir, seed=0, n=48)  -> [TaskRecord]: writes out_dir/<name>/ in Harbor layout
     terminal_tasks(seed, test_frac)  -> {"train", "test", "sft"} rows (the `data.task` contract)
@@ -39,6 +40,10 @@ Design decisions:
   come with their first call unparsed, the tool agent's `PARSE_ERROR` and the right call after it
   (labels: the recovery only): the reply a sampled model meets most, which SFT must have shown.
 - Directories are written to a temporary name and renamed: a reader never sees half a task.
+- Task sets (`TASK_SETS`, a row's `metadata["task_set"]`): "all" is the 15 families over the fixed
+  name pools, as it always was; "cpu" is the one-command families (`families.CPU_FAMILIES`) over
+  coined names split by a hash, graded (`eval_groups = [family, difficulty]`), written under its
+  own directory.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.agentic.terminal.families import FAMILIES, WORK, TaskParts, TaskRng
+from miles.agentic.terminal.families import CPU_FAMILIES, DIFFICULTY, FAMILIES, WORK, TaskParts, TaskRng
 
 VERSION = "1"
 N_TASKS = 48
@@ -61,6 +66,8 @@ SYSTEM = ("You are working in a Linux shell. Run commands with the bash tool (th
 AGENT_TIMEOUT_S = 120.0
 VERIFIER_TIMEOUT_S = 30.0
 PARSE_ERROR_FRAC = 0.25    # train tasks whose SFT also shows an unparsed call and the recovery
+# task set -> (families, names coined: `TaskRng(coined=)`); a row's metadata["task_set"]
+TASK_SETS = {"all": (FAMILIES, False), "cpu": (CPU_FAMILIES, True)}
 
 TEST_HEAD = """#!/bin/bash
 # Hidden verifier of {name} ({family}): reward 1 when every check passes, else 0.
@@ -92,13 +99,15 @@ class TaskRecord:
     seed: int
     parts: TaskParts
     heldout: bool = False
+    task_set: str = "all"
 
 
-def default_root(seed: int) -> Path:
+def default_root(seed: int, task_set: str = "all") -> Path:
     """Where `terminal_tasks` writes its directories: $MILES_TERMINAL_TASKS, else the miles cache."""
     from miles.tiny import default_cache_dir
     base = os.environ.get("MILES_TERMINAL_TASKS")
-    return (Path(base) if base else default_cache_dir() / "terminal-tasks") / f"v{VERSION}-seed{seed}"
+    name = f"v{VERSION}-seed{seed}" if task_set == "all" else f"v{VERSION}-{task_set}-seed{seed}"
+    return (Path(base) if base else default_cache_dir() / "terminal-tasks") / name
 
 
 def heldout_indices(seed: int, n: int, test_frac: float) -> set[int]:
@@ -109,9 +118,13 @@ def heldout_indices(seed: int, n: int, test_frac: float) -> set[int]:
     return set(random.Random(f"split-{seed}").sample(range(n), max(1, int(round(n * test_frac)))))
 
 
-def make_parts(seed: int, index: int, heldout: bool = False) -> TaskParts:
-    family = FAMILIES[index % len(FAMILIES)]
-    parts = family(TaskRng(f"miles-terminal-{VERSION}-{seed}-{index}", heldout))
+def make_parts(seed: int, index: int, heldout: bool = False, task_set: str = "all") -> TaskParts:
+    if task_set not in TASK_SETS:
+        raise ValueError(f"task_set={task_set!r}: expected one of {sorted(TASK_SETS)}")
+    families, coined = TASK_SETS[task_set]
+    family = families[index % len(families)]
+    tag = "" if task_set == "all" else f"{task_set}-"   # the "all" set's tasks as they always were
+    parts = family(TaskRng(f"miles-terminal-{VERSION}-{tag}{seed}-{index}", heldout, coined))
     outside = [p for p in parts.files if not p.startswith(WORK + "/")]
     if outside:
         raise ValueError(f"family {parts.family}: files {outside} are outside {WORK}")
@@ -141,9 +154,10 @@ def task_files(parts: TaskParts, name: str, seed: int, index: int) -> dict[str, 
     return out
 
 
-def write_task(root: str | Path, seed: int, index: int, heldout: bool = False) -> TaskRecord:
+def write_task(root: str | Path, seed: int, index: int, heldout: bool = False,
+               task_set: str = "all") -> TaskRecord:
     """Write task `index` of `seed` under root (kept if already there with the same content)."""
-    parts = make_parts(seed, index, heldout)
+    parts = make_parts(seed, index, heldout, task_set)
     name = task_name(parts, index)
     files = task_files(parts, name, seed, index)
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
@@ -163,22 +177,23 @@ def write_task(root: str | Path, seed: int, index: int, heldout: bool = False) -
             os.rename(tmp, target)
         except OSError:   # another process wrote the same task first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
-    return TaskRecord(name, str(target), index, seed, parts, heldout)
+    return TaskRecord(name, str(target), index, seed, parts, heldout, task_set)
 
 
 def generate(out_dir: str | Path, seed: int = 0, n: int = N_TASKS,
-             heldout: set[int] = frozenset()) -> list[TaskRecord]:
+             heldout: set[int] = frozenset(), task_set: str = "all") -> list[TaskRecord]:
     if n < 1:
         raise ValueError(f"n={n}: expected at least one task")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return [write_task(out_dir, seed, i, i in heldout) for i in range(n)]
+    return [write_task(out_dir, seed, i, i in heldout, task_set) for i in range(n)]
 
 
 def row(rec: TaskRecord, declare_tools: bool = True) -> dict:
+    groups = [rec.parts.family] + ([DIFFICULTY[rec.parts.family]] if rec.task_set == "cpu" else [])
     return {"prompt": rec.parts.instruction, "label": rec.name, "metadata": {
         "task_dir": rec.path, "task_name": rec.name, "family": rec.parts.family, "task_seed": rec.seed,
-        "task_index": rec.index, "task_heldout": rec.heldout,
-        "eval_groups": [rec.parts.family], "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
+        "task_index": rec.index, "task_heldout": rec.heldout, "task_set": rec.task_set,
+        "eval_groups": groups, "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
         "declare_tools": declare_tools}}
 
 
@@ -191,7 +206,7 @@ def ensure_task(metadata: dict) -> str:
     path = Path(metadata["task_dir"])
     if not (path / "task.toml").is_file():
         write_task(path.parent, int(metadata["task_seed"]), int(metadata["task_index"]),
-                   bool(metadata.get("task_heldout", False)))
+                   bool(metadata.get("task_heldout", False)), metadata.get("task_set", "all"))
     return str(path)
 
 
@@ -223,11 +238,12 @@ def sft_rows(rows: list[dict], family: str = "qwen3") -> list[dict]:
 
 
 def terminal_tasks(seed: int = 0, test_frac: float = 0.25, n: int = N_TASKS,
-                   out_dir: str | Path | None = None, declare_tools: bool = True) -> dict[str, list[dict]]:
+                   out_dir: str | Path | None = None, declare_tools: bool = True,
+                   task_set: str = "all") -> dict[str, list[dict]]:
     """The `data.task` function: train / held-out rows by task, and the oracle's SFT transcripts.
     `declare_tools=False` sends no tool schemas (each row's `metadata["declare_tools"]`)."""
     heldout = heldout_indices(seed, n, test_frac)
-    records = generate(out_dir or default_root(seed), seed, n, heldout)
+    records = generate(out_dir or default_root(seed, task_set), seed, n, heldout, task_set)
     rows = [row(r, declare_tools) for r in records]
     train = [r for r in rows if not r["metadata"]["task_heldout"]]
     test = [r for r in rows if r["metadata"]["task_heldout"]]
@@ -242,10 +258,15 @@ def terminal_tasks_compact(seed: int = 0, test_frac: float = 0.25) -> dict[str, 
     return terminal_tasks(seed, test_frac, declare_tools=False)
 
 
-N_TASKS_CPU = 144
+N_TASKS_CPU = 400
 
 
-def terminal_tasks_cpu(seed: int = 0, test_frac: float = 0.25) -> dict[str, list[dict]]:
-    """`terminal_tasks_compact` with 144 tasks (~7 train tasks a family instead of ~2: the
-    families' commands to learn, not 36 commands to memorise)."""
-    return terminal_tasks(seed, test_frac, n=N_TASKS_CPU, declare_tools=False)
+def terminal_tasks_cpu(seed: int = 0, test_frac: float = 0.25, out_dir: str | Path | None = None
+                       ) -> dict[str, list[dict]]:
+    """The CPU recipe's set: 400 tasks of the ten families of `families.CPU_FAMILIES` (one command
+    of a fixed shape, graded easy / medium / hard: `eval_groups`), names coined and split by a hash
+    (held-out names never occur in a train task), no tool schemas; a recipe's `data.task` gets
+    test_frac 0.25: 300 train, 100 held out. ~30 train tasks a family, to teach the shape and the
+    copying, not commands to memorise."""
+    return terminal_tasks(seed, test_frac, n=N_TASKS_CPU, out_dir=out_dir, declare_tools=False,
+                          task_set="cpu")
