@@ -7,6 +7,8 @@ Design decisions:
 - The mismatch KL is KL(pi_rollout || pi_train) estimated with k3 on tokens sampled by the rollout
   engine: exp(d) - 1 - d with d = log pi_train - log pi_rollout (non-negative, low variance).
 - `approx_kl` is slime's ppo_kl: mean of log pi_old - log pi over trained tokens.
+- `reference_kl` is KL(pi || pi_ref) by k3 on the sampled tokens (they come from pi_old ~ pi):
+  how far RL has moved the policy from its reference (the warm start, where one ran).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ import torch
 def approx_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     """log pi_old - log pi per token (the k1 estimate of KL(pi_old || pi))."""
     return (old_logprobs.detach().float() - logprobs.detach().float())
+
+
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(pi || pi_ref) per token: exp(d) - 1 - d with d = log pi_ref - log pi."""
+    d = ref_logprobs.detach().float() - logprobs.detach().float()
+    return torch.expm1(d) - d
 
 
 def logprob_abs_diff(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:

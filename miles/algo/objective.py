@@ -31,7 +31,7 @@ from miles.algo.losses import (
     sft_loss,
     token_log_ratio,
 )
-from miles.algo.metrics import approx_kl, mismatch_metrics
+from miles.algo.metrics import approx_kl, mismatch_metrics, reference_kl
 from miles.algo.reduce import reduce_tokens, token_weights
 
 Metrics = dict[str, torch.Tensor]
@@ -109,6 +109,8 @@ def compute_policy_loss(
         if cfg.eps_clip_c is not None:
             log("pg_dual_clipfrac", clip.dual_clipped)
         log("ppo_kl", approx_kl(logp, old))
+        if "ref_logprobs" in tokens:   # given whenever a reference model runs, KL term or not
+            log("ref_kl", reference_kl(logp, tokens["ref_logprobs"]))
         if cfg.kl_loss_coef > 0:
             ref = _need(tokens, "ref_logprobs", f"kl_loss_coef={cfg.kl_loss_coef}")
             # Unbiased KL (DeepSeek-V3.2): tokens come from pi_old, so weight by pi / pi_old, with gradient.

@@ -101,8 +101,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # fsdp (PyTorch FSDP2) or megatron (megatron-core); nothing above the backend changes
     backend: BackendName = "fsdp"
     model_path: str = ""            # HF safetensors directory (config.json + *.safetensors)
-    ref_model_path: str = ""        # frozen reference for the KL loss; "" = model_path
-    use_ref_model: bool | None = None  # None: on exactly when the loss has a KL term
+    # frozen reference for the KL loss and the logged ref_kl; "" = model_path, or (FSDP) the warm
+    # start's weights once an sft warm start ran in this run
+    ref_model_path: str = ""
+    # None: on exactly when the loss has a KL term; true also without one, to log ref_kl (the
+    # policy's KL to the reference) every RL step, for one no-grad forward of the reference
+    use_ref_model: bool | None = None
 
     # --- PPO critic (algo.advantage_estimator = "ppo"; miles/backends/critic.py): its own AdamW and
     # schedule (the policy's betas, eps, weight decay and clipping) ---

@@ -20,6 +20,11 @@ Design decisions:
   cover. Another phase's optimizer is built at its first step and dropped when the main phase next
   trains, so a warm-start costs one extra optimizer state only while it runs, and RL begins at step
   0 of its own schedule with empty Adam moments.
+- The reference model (`train.use_ref_model`, or a KL term) scores every RL step's tokens; with
+  no `train.ref_model_path` it becomes the warm start when the main phase first trains after
+  one (its weights copied from the policy), so its KL term and the logged `ref_kl` measure how
+  far RL moved from the warm start, not from `model_path`. A resumed run rebuilds it from
+  `model_path` (the warm start does not run again); with LoRA it stays the base model.
 - Old log-probs by `train.old_logprobs`: "rollout" uses the engine's log-probs of the sampled
   tokens as pi_old in every loop mode (sync, one-step-off, fully async: the PPO ratio is then
   against the policy that actually sampled, so stale samples are clipped), refusing a sample
@@ -225,8 +230,11 @@ class FSDPBackend(TrainingBackend):
     def _phase_optimizer(self, phase: TrainPhase) -> torch.optim.Optimizer:
         if phase.name == MAIN_PHASE:
             # The warm-start is over: free its Adam moments (a second full optimizer state on the device).
-            for name in [n for n in self._optimizers if n != MAIN_PHASE]:
+            warm_started = [n for n in self._optimizers if n != MAIN_PHASE]
+            for name in warm_started:
                 del self._optimizers[name], self._steps[name]
+            if warm_started and self.ref is not None and not self.cfg.ref_model_path and self.cfg.lora is None:
+                copy_parameters(self.policy, self.ref)   # the reference is the warm start
         elif phase.name not in self._optimizers:
             self._optimizers[phase.name] = build_adamw(self.policy, phase.config, self.device)
             self._steps[phase.name] = 0
@@ -258,7 +266,7 @@ class FSDPBackend(TrainingBackend):
             uses_teacher(loss_cfg) and not (with_rollout_lp and cfg.old_logprobs == "rollout"))
         old = self._no_grad_logprobs(self.policy, flat, routing, self.replay, replaying) if need_old else None
         ref = (self._no_grad_logprobs(self.ref, flat, routing, self.ref_replay, replaying)
-               if self.ref is not None and train_common.needs_ref(loss_cfg) else None)
+               if self.ref is not None and train_common.runs_ref(loss_cfg) else None)
         aux = self._critic_and_teacher_passes(flat, old, loss_cfg, batch)
         advantages, returns = self._advantages(batch, flat, old, ref, loss_cfg, aux)
 
@@ -514,6 +522,19 @@ def _compile_elementwise_parts(lm: torch.nn.Module) -> None:
         compiled = torch.compile(rotary, dynamic=True)
         compiled._miles_compiled = True
         modeling.apply_rotary_pos_emb = compiled
+
+
+@torch.no_grad()
+def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """dst's parameters take src's values, by name (both sharded alike, on the same mesh; the
+    dtype follows dst's)."""
+    reshard(src)
+    reshard(dst)
+    theirs = dict(src.named_parameters())
+    for name, p in dst.named_parameters():
+        if name not in theirs:
+            raise ValueError(f"the reference model has a parameter {name!r} the policy lacks")
+        _local(p).copy_(_local(theirs[name]))
 
 
 def reshard(model: torch.nn.Module) -> None:

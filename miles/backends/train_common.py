@@ -69,6 +69,12 @@ def needs_ref(loss: LossConfig) -> bool:
     return (loss.loss_type == "policy" and loss.kl_loss_coef > 0) or shaping_kl(loss)
 
 
+def runs_ref(loss: LossConfig) -> bool:
+    """Whether a reference model, where one was built, scores this step's tokens: every RL step
+    (its KL term, or only the logged ref_kl with train.use_ref_model = true), never an SFT step."""
+    return loss.loss_type == "policy"
+
+
 def use_ref_model(config: TrainConfig, loss: LossConfig) -> bool:
     """train.use_ref_model resolved: None follows the loss; false with a KL term is refused."""
     if config.use_ref_model is None:

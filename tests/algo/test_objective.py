@@ -126,6 +126,21 @@ def test_entropy_bonus_lowers_the_loss() -> None:
     assert float(metrics["entropy"]) == 2.0
 
 
+def test_reference_kl_is_logged_whenever_reference_logprobs_come_without_a_kl_term() -> None:
+    """train.use_ref_model without a KL term: ref_kl = mean k3 of KL(pi || pi_ref), no gradient."""
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0, -0.5])
+    loss, metrics = compute_policy_loss(
+        logp, loss_mask=torch.tensor([0, 1, 1]), sample_denominators=torch.tensor([2.0]),
+        cfg=LossConfig(loss_reduction="token"), cu_seqlens=cu_seqlens_from_lengths([3]),
+        advantages=torch.tensor([0.0, 1.0, 1.0]), ref_logprobs=ref)
+    d = torch.tensor([1.0, 0.0])                     # log pi_ref - log pi on the two trained tokens
+    assert torch.allclose(metrics["ref_kl"], (torch.expm1(d) - d).mean())
+    assert "kl_loss" not in metrics and not metrics["ref_kl"].requires_grad
+    loss.backward()                                  # the gradient is the plain policy gradient's
+    assert torch.equal(logp.grad, torch.tensor([0.0, -0.5, -0.5]))
+
+
 def test_sft_loss_is_the_reduced_negative_log_likelihood() -> None:
     loss, metrics = compute_policy_loss(
         torch.tensor([-1.0, -2.0, -4.0]),
@@ -157,7 +172,7 @@ def test_metric_names_follow_the_config() -> None:
     )
     assert sorted(full) == sorted([
         "loss", "pg_clipfrac", "pg_loss", "ppo_kl", "pg_dual_clipfrac", "mis_ratio", "mis_masked_frac",
-        "kl_loss", "train_rollout_logprob_abs_diff", "train_rollout_kl", "entropy",
+        "kl_loss", "ref_kl", "train_rollout_logprob_abs_diff", "train_rollout_kl", "entropy",
     ])
     assert all(not v.requires_grad for v in full.values())
 
