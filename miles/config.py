@@ -373,11 +373,14 @@ def _check(recipe: Recipe, tree: dict, source: str) -> None:
                         f"{recipe.quant.rollout!r}: a delta XORs against the engine's tensors, "
                         "which hold dequantized weights, not the quantized parts")
     sft = recipe.sft
-    if sft.until_heldout and not 1 <= sft.check_every <= sft.steps:
+    if sft.until_heldout and sft.steps and not 1 <= sft.check_every <= sft.steps:
         raise bad_value(source, "sft.check_every", sft.check_every,
                         f"expected 1 to sft.steps ({sft.steps}) with sft.until_heldout = "
                         f"{sft.until_heldout}: how many warm-start steps between two checks")
-    if sft.until_heldout and recipe.eval.mode != "shared":
+    if sft.until_heldout and sft.steps and sft.check_from > sft.steps:
+        raise bad_value(source, "sft.check_from", sft.check_from,
+                        f"expected at most sft.steps ({sft.steps}): the step of the first held-out check")
+    if sft.until_heldout and sft.steps and recipe.eval.mode != "shared":
         raise bad_value(source, "eval.mode", recipe.eval.mode,
                         "expected 'shared' with sft.until_heldout: the check evaluates the "
                         "warm start's weights on the rollout engines")

@@ -359,11 +359,12 @@ class LoopDriver(Actor):
             done = epochs.add(epoch, metrics.get("loss", float("nan")))
             if done:
                 records.append((i, done))
-            if r.sft.until_heldout and steps % r.sft.check_every == 0 and steps < r.sft.steps:
+            if (r.sft.until_heldout and steps >= r.sft.check_from and steps % r.sft.check_every == 0
+                    and steps < r.sft.steps):
                 solved = await self.heldout_check(version)
-                records.append((steps, {"sft/heldout_pass@1": solved}))
-                print(f"[driver] warm start step {steps}: held-out pass@1 {solved:.3f} "
-                      f"(sft.until_heldout = {r.sft.until_heldout})", flush=True)
+                records.append((steps, {"sft/heldout_pass@1": solved, "sft/s": time.monotonic() - t0}))
+                print(f"[driver] warm start step {steps} ({time.monotonic() - t0:.0f} s): held-out "
+                      f"pass@1 {solved:.3f} (sft.until_heldout = {r.sft.until_heldout})", flush=True)
                 if solved >= r.sft.until_heldout:
                     stop = f"held-out pass@1 {solved:.3f} >= sft.until_heldout"
                     break

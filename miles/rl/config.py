@@ -159,6 +159,9 @@ class SFTConfig(Section):
     until_heldout: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     # warm-start steps between two held-out checks (with sft.until_heldout)
     check_every: Count = 0
+    # the first check's step (0: sft.check_every); a check costs a whole evaluation, wasted
+    # before the warm start can solve anything
+    check_from: Count = 0
 
 
 class LoggingConfig(Section):
@@ -176,7 +179,7 @@ class LoggingConfig(Section):
     # + 1 + node rank (a free port if that one is taken), -1 = off (the URL is written to
     # <run>/metrics_url.node<rank>)
     metrics_port: Annotated[int, Meta(ge=-1, le=65535)] = 0
-    # draw the reward curves to <output_dir>/rewards.png at the end
+    # draw <output_dir>/reward_curve.png at the end: sampled training reward per step and held-out pass@1
     plot: bool = True
     # the flight recorder: write every wire message of these steps to runs/<name>/wire/
     record_wire: bool = False

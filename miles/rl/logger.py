@@ -62,12 +62,16 @@ class MetricsLogger:
 
 
 def plot_rewards(run_dir: str | Path) -> Path | None:
+    """reward_curve.png: the sampled training reward of each step and the held-out evaluations
+    (pass@1, or the mean reward where an evaluation has none), labelled with how they sampled."""
     run_dir = Path(run_dir)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     train = [(r["step"], r["rollout/reward"]) for r in rows if r["kind"] == "train" and "rollout/reward" in r]
-    evals = [(r["step"], r["eval/reward"]) for r in rows if r["kind"] == "eval" and "eval/reward" in r]
+    key = "eval/pass@1" if any("eval/pass@1" in r for r in rows if r["kind"] == "eval") else "eval/reward"
+    evals = [(r["step"], r[key]) for r in rows if r["kind"] == "eval" and key in r]
     if not train and not evals:
         return None
+    held_out = f"held-out {key.removeprefix('eval/')} ({_eval_sampling(run_dir)})"
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -76,7 +80,7 @@ def plot_rewards(run_dir: str | Path) -> Path | None:
     if train:
         ax.plot(*zip(*train), label="train batch reward (kept groups, sampled)", alpha=0.7)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out reward (greedy)", linewidth=2)
+        ax.plot(*zip(*evals), "o-", label=held_out, linewidth=2)
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
@@ -88,6 +92,16 @@ def plot_rewards(run_dir: str | Path) -> Path | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _eval_sampling(run_dir: Path) -> str:
+    """How the evaluations sampled, from the run's resolved recipe ("greedy", "T=1.0, 4 per prompt")."""
+    resolved = sorted(run_dir.glob("recipe.resolved*.json"))
+    if not resolved:
+        return "eval"
+    cfg = json.loads(resolved[0].read_text()).get("eval", {})
+    temperature, n = cfg.get("temperature", 0.0), cfg.get("samples_per_prompt", 1)
+    return "greedy" if not temperature else f"T={temperature:g}, {n} per prompt"
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ def test_r3_through_agent_sessions(tmp_path):
     the session server (`routed_experts_start_len`), collect stitches it over prompt, model and
     tool tokens, and the trainer replays it (a sample without it would be refused)."""
     code, log, train = run_moe(tmp_path, "agent", [
-        "rollout.r3=true", 'model.tiny="qwen3_moe"', "loop.num_steps=2", "sft.steps=20"],
+        "rollout.r3=true", 'model.tiny="qwen3_moe"', "loop.num_steps=2", "sft.steps=20",
+        "sft.until_heldout=0"],
         recipe="agent_quickstart.toml")
     assert code == 0, log[-3000:]
     assert len(train) == 2

@@ -67,23 +67,26 @@ def test_a_warm_start_logs_epoch_losses_greedy_reproduction_and_row_nll(tmp_path
 
 @pytest.mark.slow
 def test_a_warm_start_runs_until_held_out_reaches_its_target_or_its_cap(tmp_path):
-    """`sft.until_heldout`: every `sft.check_every` steps the published warm-start weights are
-    evaluated on the held-out set; the warm start stops at the first check that reaches the
+    """`sft.until_heldout`: every `sft.check_every` steps from `sft.check_from` the published
+    warm-start weights are evaluated on the held-out set; the warm start stops at the first check that reaches the
     target, else at `sft.steps`, and says which."""
     target = 0.2
     code, log, out = run_recipe(tmp_path, "until", [
-        "sft.steps=30", "sft.check_every=10", f"sft.until_heldout={target}", "eval.n_prompts=16",
+        "sft.steps=30", "sft.check_every=5", "sft.check_from=20", f"sft.until_heldout={target}",
+        "eval.n_prompts=16",
         "loop.num_steps=1", "loop.save_every=0", "loop.eval_every=0", 'buffer.filter="none"'],
         timeout_s=400)
     assert code == 0, log[-3000:]
     sft = records(out, "sft")
     checks = [(r["step"], r["sft/heldout_pass@1"]) for r in sft if "sft/heldout_pass@1" in r]
     end = sft[-1]
-    assert checks and all(step % 10 == 0 and step < 30 for step, _ in checks)
+    assert checks and all(step % 5 == 0 and 20 <= step < 30 for step, _ in checks)   # from check_from
+    seconds = [r["sft/s"] for r in sft if "sft/heldout_pass@1" in r]
+    assert seconds == sorted(seconds) and seconds[0] > 0, seconds   # when each check ended
     assert all(solved < target for _, solved in checks[:-1])     # no check before the stop reached it
     if checks[-1][1] >= target:
         assert end["step"] == checks[-1][0] == end["sft/steps"] and "sft.until_heldout" in end["sft/stop"]
     else:
-        assert [s for s, _ in checks] == [10, 20] and end["sft/steps"] == 30
+        assert [s for s, _ in checks] == [20, 25] and end["sft/steps"] == 30
         assert end["sft/stop"] == "sft.steps = 30"
     assert f'"sft_steps": {int(end["sft/steps"])}' in log

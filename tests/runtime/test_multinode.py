@@ -277,7 +277,8 @@ def test_two_node_agent_run_has_gateway_and_session_server_on_the_head_and_reach
     out = tmp_path / "agent2"
     steps = 3
     procs, logs = cluster_launcher(_agent_2node_recipe(tmp_path / "agent_2node.toml"), 2, [
-        *_common(tmp_path, "agent2"), f"loop.num_steps={steps}", "loop.eval_every=0", 'eval.mode="off"'])
+        *_common(tmp_path, "agent2"), f"loop.num_steps={steps}", "loop.eval_every=0", 'eval.mode="off"',
+        "sft.until_heldout=0"])
     seen: dict = {}
 
     def servers_up() -> bool:

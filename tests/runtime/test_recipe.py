@@ -30,10 +30,21 @@ main = true
     (GOOD, ["nosection.key=1"], r"nosection: unknown key"),
     ('[cluster]\nhead_port = 70000', [], r"cluster\.head_port = 70000"),
     ('[actors.a]\nclass = "m:C"\nmain = true\n[actors.b]\nclass = "m:C"\nmain = true', [], r"only one actor may be main"),
+    ('[sft]\nsteps = 100\nuntil_heldout = 0.3\ncheck_every = 10\ncheck_from = 150', [],
+     r"sft\.check_from = 150: expected at most sft\.steps \(100\)"),
+    ('[sft]\nsteps = 100\nuntil_heldout = 0.3', [], r"sft\.check_every = 0: expected 1 to sft\.steps"),
 ])
 def test_bad_recipes(text, overrides, expected):
     with pytest.raises(RecipeError, match=expected):
         load_recipe(text=text, overrides=overrides)
+
+
+def test_a_recipe_without_a_warm_start_ignores_its_held_out_target():
+    """sft.steps = 0 (a test's override of a recipe that stops its warm start at a target): no
+    check runs, so none of the check's keys is refused."""
+    r = load_recipe(text='[sft]\nsteps = 0\nuntil_heldout = 0.3\ncheck_every = 10\ncheck_from = 150\n'
+                         '[eval]\nmode = "off"')
+    assert r.sft.steps == 0
 
 
 def test_overrides_are_typed_like_toml():
