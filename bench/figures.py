@@ -6,6 +6,8 @@
         --what "actor call() p50" --figure call_p50_us --baseline zmq_call_p50_us \\
         -- .venv/bin/python bench/wire.py --calls 2000
                                         # run a bench, append its JSON line as a row, regenerate
+    python bench/figures.py record ... --output FILE -- COMMAND
+                                        # the same from FILE, COMMAND's saved stdout (a long bench)
 
 Every bench prints one JSON line of figures and the machine. `record` runs the bench command
 given after `--`, echoes its output (as `tee` would), takes its last JSON object line, appends one
@@ -283,13 +285,16 @@ def record(args: argparse.Namespace) -> None:
     if args.id in known:
         raise SystemExit(f"figures record: --id = {args.id!r} is taken: ids are anchors, "
                          "never reused")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    lines = []
-    for line in proc.stdout:  # echoed as it comes: a bench may run for minutes
-        sys.stdout.write(line)
-        lines.append(line)
-    if proc.wait() != 0:
-        raise SystemExit(f"figures record: the bench exited {proc.returncode}; nothing recorded")
+    if args.output:   # the bench already ran (for an hour, say): its saved stdout
+        lines = Path(args.output).read_text().splitlines(keepends=True)
+    else:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        lines = []
+        for line in proc.stdout:  # echoed as it comes: a bench may run for minutes
+            sys.stdout.write(line)
+            lines.append(line)
+        if proc.wait() != 0:
+            raise SystemExit(f"figures record: the bench exited {proc.returncode}; nothing recorded")
     result = last_json_line("".join(lines), args.where)
     machine = args.machine or result.get("machine")
     if not isinstance(machine, str) or not machine:
@@ -330,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     rec.add_argument("--machine", default="", help="when the bench's line has no `machine`")
     rec.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
                      help="record the last line with this field (repeatable)")
+    rec.add_argument("--output", default="", metavar="FILE",
+                     help="the saved stdout of the bench command given after --, which already ran: "
+                          "recorded from there, not run again")
     rec.add_argument("command", nargs=argparse.REMAINDER, help="-- the bench command")
     args = parser.parse_args(argv)
     if args.cmd == "record":

@@ -98,6 +98,20 @@ def test_record_appends_the_bench_line_and_regenerates(tmp_path):
     assert "is taken" in str(stop.value)
 
 
+def test_record_takes_the_saved_output_of_a_bench_that_already_ran(tmp_path):
+    """`--output FILE`: an hour-long bench is recorded from its saved stdout, under its command,
+    which does not run again."""
+    results, page = tmp_path / "results", tmp_path / "figures.md"
+    saved = tmp_path / "out.jsonl"
+    saved.write_text('{"note": "a seed"}\n' + json.dumps({"gain": 0.24, "machine": "m"}) + "\n")
+    figures.main(["--results", str(results), "--page", str(page), "record", "--topic", "agentic",
+                  "--id", "demo-gain", "--what", "a gain", "--figure", "gain", "--output", str(saved),
+                  "--", sys.executable, "-c", "raise SystemExit('ran again')"])
+    row = json.loads((results / "agentic.jsonl").read_text())
+    assert row["figure"] == "gain 0.24" and row["result"]["gain"] == 0.24
+    assert row["command"].startswith(sys.executable) and "ran again" in row["command"]
+
+
 def test_record_picks_the_line_of_one_configuration(tmp_path):
     results, page = tmp_path / "results", tmp_path / "figures.md"
     lines = [{"integration": name, "episodes_per_s": rate, "env_s": 0.1, "machine": "m"}
