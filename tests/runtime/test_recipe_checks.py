@@ -79,7 +79,7 @@ def refusal(text: str, overrides=()) -> str:
      "data.path = '/no/such.jsonl': expected a .jsonl or .parquet file; it does not exist"),
     (QUICKSTART, ["data.task=''", f"data.path='{ROOT / 'README.md'}'", "eval.mode='fleet'"],
      "data.eval_path = '': expected a file for eval.mode = 'fleet'"),
-    (QUICKSTART, ["data.task='sorting'"], "data.task = 'sorting': expected one of addition, find_file, find_file_declared, sort_digits"),
+    (QUICKSTART, ["data.task='sorting'"], "data.task = 'sorting': expected one of addition, find_file, find_file_declared, find_file_graded, sort_digits"),
     (QUICKSTART, ["engine.gateway_policy='fastest'"], "engine.gateway_policy = 'fastest': expected one of manual"),
     # a section's own check reads like the rest
     (QUICKSTART, ["train.lr=-1.0"], "train.lr = -1.0: expected >= 0.0"),
