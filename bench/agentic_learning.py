@@ -1,7 +1,7 @@
 """Does an agentic recipe learn? RL after its warm start against the warm start alone, over seeds.
 
     .venv/bin/python bench/agentic_learning.py --recipe recipes/agent_quickstart.toml \\
-        [--seeds 0,1,2] [--log-dir DIR] [--timeout-s 1800] [--set KEY=VALUE ...] [--rl-run SEED=DIR ...]
+        [--seeds 0,1,2] [--log-dir DIR] [--timeout-s 3600] [--set KEY=VALUE ...] [--rl-run SEED=DIR ...]
 
 Prints one JSON line:
   {"bench": "agentic_learning", "recipe", "seeds", "runs": [one per seed: {"seed",
@@ -181,7 +181,7 @@ def main() -> None:
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "agent_quickstart.toml"))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--log-dir", default=None, help="runs and their logs (default: a temporary directory)")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="each run's deadline")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="each run's deadline")
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE, a recipe override for both arms")
     p.add_argument("--rl-run", action="append", default=[], metavar="SEED=DIR",
                    help="the rl arm of this seed is this finished `miles run` of the recipe as it ships "
