@@ -1,12 +1,13 @@
-"""The agent quickstart, shortened, in a real `miles run`: RL raises the tool agent's sampled
-and held-out rewards, every trained sample is what the agent's conversation
-renders to, and nothing is left open.
+"""The agent quickstart, shortened, in a real `miles run`: its warm start stops at the held-out
+target (or its cap, saying which), RL then raises held-out pass@1 over the run's own step-0
+evaluation, every trained sample is what the agent's conversation renders to, the trainer logs
+its KL to the warm start, and nothing is left open.
 
-Measured on the 2-core CPU (SFT 170 steps, as the recipe ships, then RL): held-out 0.75 -> 0.97 and
-0.98 at step 60 in two runs, sampled reward 0.32 (step 10) -> 0.67 (step 60). With 190 SFT steps
-the warm-start alone gave 0.94-0.97 held-out and RL had little to show; with 150 (the recipe before)
-RL started at a sampled reward of ~0.01: runs learned to 0.2-0.7 held-out, or starved
-(buffer.filter dropped every group) until loop.timeout_s, as CI's did.
+Where the warm start lands is not a step count: the copy of the digits is learnt at a step that
+differs from CPU to CPU and seed to seed (a fixed 170 steps gave greedy held-out 0.75 on Intel and
+0.97 on AMD), so the recipe stops it at a held-out target (`sft.until_heldout`) and the bounds
+below are relative to that stop, with room for any CPU. Learning's size (3 seeds, RL against
+the warm start alone) is measured by bench/agentic_learning.py, not here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from tests.envs.token_checks import model_spans, model_turns
 from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# RL steps after the warm start, and the share of the headroom (1 - step-0 pass@1) they must gain.
+# Measured (2026-12-07, 2-core CPU at load ~16): the warm start stopped at step 240 at 0.54, then
+# held-out 0.63 / 0.73 at RL steps 20 / 40 (+0.18, twice the 0.1 x 0.46 asked here; the noise of
+# one difference of two 64 x 4-sample evaluations is ~0.05). This test's own run, the same day:
+# stop at step 240 (0.543), 0.668 at RL step 40 (+0.125 against the 0.046 asked); 23 min at load 11-28.
+RL_STEPS, HEADROOM_SHARE = 40, 0.1
 
 
 def run_quickstart(out: Path, overrides: list[str], timeout_s: float) -> tuple[int, str]:
@@ -113,52 +120,79 @@ async def check_sample(sample, tokenizer) -> None:
     assert turns == [m.content for m in msgs if m.role == "assistant"], turns
 
 
+# A pass needs no rerun (tests/conftest.py reruns other slow tests once): what it asserts holds on
+# any CPU with room to spare.
 @pytest.mark.slow
-@pytest.mark.timeout(1500)   # ~3.5 min here; CI's 2 cores ran past 5 min
-def test_agent_quickstart_learns_and_its_samples_are_exact(tmp_path):
+@pytest.mark.flaky(reruns=0)
+@pytest.mark.timeout(1800)   # a deadline, not a speed bound: ~25 min at load 24-28 on 2 cores
+def test_agent_quickstart_learns_from_its_warm_start_and_its_samples_are_exact(tmp_path):
     import asyncio
 
+    from miles.config import load_recipe
     from miles.tito.tokenizer import load_tokenizer
     from miles.wire.messages import Batch
     from miles.wire.recorder import read_records
 
+    recipe = load_recipe(ROOT / "recipes" / "agent_quickstart.toml")
+    steps = RL_STEPS
     out = tmp_path / f"agent-qs-{int(time.time())}"
-    # every step recorded (the flight recorder): each trained sample is checked below
-    code, log = run_quickstart(out, ["loop.num_steps=60", "loop.eval_every=20", "logging.record_wire=true"],
-                               timeout_s=1400)
+    # the flight recorder keeps steps 1-2, whose samples are checked token by token below
+    code, log = run_quickstart(out, [f"loop.num_steps={steps}", f"loop.eval_every={steps}",
+                                     "logging.record_wire=true", "logging.record_steps=[1, 2]"],
+                               timeout_s=1700)
     assert code == 0, why_it_failed(log)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = {r["step"]: r["eval/reward"] for r in rows if r["kind"] == "eval"}
-    assert sorted(evals) == [0, 20, 40, 60], evals
-    # Held-out is greedy. Where the 170-step warm-start lands is CPU-dependent: 0.75 on the Intel
-    # boxes it was tuned on, 0.97 on an AMD one (the same code before and after this check was
-    # written). RL must lift it by 0.05 when there is room, and never collapse it; the sampled
-    # reward below (temperature 1: 0.31 -> 0.65 on the AMD box, 0.32 -> 0.75 on Intel) is where
-    # RL's learning shows either way. From the AMD box's 0.97, 13 runs of this command (2026-12-06,
-    # one in CI, 6 each at lr 5e-4 and 3e-4: no better) went as low as 0.80-0.88 at some eval in 4
-    # and ended at 0.81-0.98: a few of 64 greedy answers flip as RL moves a policy that is already
-    # right. Bounds of -0.05 at the end and -0.1 midway failed those 4; -0.2 still catches a collapse.
-    if evals[0] < 0.9:
-        assert evals[60] >= evals[0] + 0.05, evals              # measured: 0.75 -> 0.97, 0.98
-    assert min(evals[20], evals[40], evals[60]) >= evals[0] - 0.2, evals
-    sampled = [r["rollout/reward_recent"] for r in rows if r["kind"] == "actors" and "rollout/reward_recent" in r]
-    assert len(sampled) >= 40 and np.mean(sampled[-10:]) >= np.mean(sampled[:10]) + 0.1, sampled  # 0.32 -> 0.67
-    train = [r for r in rows if r["kind"] == "train"]
+
+    # The warm start stopped at its first check that reached the target, or at its cap, and said so.
+    sft = [r for r in rows if r["kind"] == "sft"]
+    checks = [(r["step"], r["sft/heldout_pass@1"]) for r in sft if "sft/heldout_pass@1" in r]
+    end = sft[-1]
+    target = recipe.sft.until_heldout
+    assert all(s >= recipe.sft.check_from and s % recipe.sft.check_every == 0 for s, _ in checks), checks
+    assert all(p < target for _, p in checks[:-1]), checks
+    if checks and checks[-1][1] >= target:
+        assert end["sft/stop"].endswith(">= sft.until_heldout") and end["sft/steps"] == checks[-1][0], end
+    else:
+        assert end["sft/stop"] == f"sft.steps = {recipe.sft.steps}" and end["sft/steps"] == recipe.sft.steps, end
+    assert f"warm start step {checks[-1][0]}" in log if checks else True
+
+    evals = {r["step"]: r for r in rows if r["kind"] == "eval"}
+    assert sorted(evals) == [0, steps], evals
+    for e in evals.values():   # pass@1 of 4 samples per prompt at the rollout's temperature
+        assert e["eval/k"] == recipe.eval.samples_per_prompt >= 4 and e["eval/n"] == recipe.eval.n_prompts, e
+    start, final = evals[0]["eval/pass@1"], evals[steps]["eval/pass@1"]
+    if end["sft/stop"].endswith(">= sft.until_heldout"):
+        assert final >= start + HEADROOM_SHARE * (1 - start), (start, final)
+    else:   # the cap: the warm start never reached the target, so RL had little to start from
+        assert final >= start - 0.1, (start, final)
+
+    train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
     # The trainer's log-probs of the sampled tokens against the engine's: equal where the batch was
     # sampled by the weights it trains (staleness 0), a policy step apart where it lagged.
     diffs = [(r["batch/staleness_avg"], r["train/train_rollout_logprob_abs_diff"]) for r in train]
     fresh = [d for lag, d in diffs if lag == 0]
     assert fresh and max(fresh) < 1e-3 and max(d for _, d in diffs) < 0.2, diffs
+    # KL to the warm start (train.use_ref_model): ~0 before the first update, then RL moves away
+    # from it; entropy is logged beside it.
+    assert abs(train[0]["train/ref_kl"]) < 1e-4 and train[-1]["train/ref_kl"] > 0, train
+    assert all("train/entropy" in r and "train/ppo_kl" in r for r in train)
+    # each prompt index is trained once (the buffer's ledger: nothing trained twice)
+    trained = [i for r in train for i in r["batch/prompt_indices"]]
+    assert len(trained) == len(set(trained)) == steps * recipe.loop.groups_per_step, trained
 
     resolved = json.loads(next(out.glob("recipe.resolved*.json")).read_text())
     tokenizer = load_tokenizer(resolved["model"]["path"])
     samples = [s for r in read_records(out / "wire" / "driver.mlw") if isinstance(r.msg, Batch)
                for g in r.msg.groups for s in g.samples]
-    assert len(samples) == 60 * 4 * 8, len(samples)
+    assert len(samples) == 2 * recipe.loop.groups_per_step * recipe.rollout.n_samples_per_prompt, len(samples)
     for s in samples:
         asyncio.run(check_sample(s, tokenizer))
     assert any(len(s.metadata.get("agent", {}).get("answer") or "") == 3 for s in samples)
 
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert set(trained) <= {e["prompt_index"] for e in episodes if e["decision"] == "keep"}
     closing = [line for line in (out / "logs" / "rollout.log").read_text().splitlines()
                if line.startswith("[rollout] episodes closed:")]
     assert closing and "live at close 0" in closing[0] and "swept 0" in closing[0], closing
+    assert (out / "reward_curve.png").stat().st_size > 1000
