@@ -1,6 +1,7 @@
 """The `miles` command: `miles run recipe.toml [--set k=v ...]`, `miles check recipe.toml`,
 `miles replay runs/<name>/wire/driver.mlw [--step N] [--resend URL]` (see `miles/replay.py`),
-`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR`, `miles episodes RUN` (see
+`miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR`, `miles episodes RUN`,
+`miles ledger RUN` (see
 `miles/ops_cli.py`),
 `miles plan recipe.toml [--gpus N] [--model-size S]` (a capacity model, see `miles/plan.py`).
 
@@ -32,7 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     # listed for --help only: `miles replay ...` is dispatched before this parser (see main)
     sub.add_parser("replay", help="re-run a step recorded by logging.record_wire (miles replay -h)")
     sub.add_parser("dashboard", help="serve a run's dashboard: miles dashboard runs/<name>")
-    sub.add_parser("status", help="a live run's actors, restarts and lag: miles status runs/<name>")
+    sub.add_parser("status", help="a live run's actors, restarts and lag, and its ledger's totals: "
+                                  "miles status runs/<name>")
+    sub.add_parser("ledger", help="prove every prompt read was trained once, filtered/dropped with a "
+                                  "reason, or is pending: miles ledger runs/<name> [--json]")
     sub.add_parser("logs", help="an actor's log: miles logs runs/<name> ACTOR [-n N] [-f]")
     sub.add_parser("episodes", help="episode transcripts: miles episodes runs/<name> [--step N] "
                                     "[--reward R] [--task ID] [-n K]")
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["replay"]:  # its own flags (miles/replay.py)
         from miles.replay import main as replay_main
         return replay_main(argv[1:])
-    if argv[:1] and argv[0] in ("dashboard", "status", "logs", "episodes"):
+    if argv[:1] and argv[0] in ("dashboard", "status", "logs", "episodes", "ledger"):
         from miles.ops_cli import COMMANDS
         return COMMANDS[argv[0]](argv[1:])
     if argv[:1] == ["plan"]:

@@ -74,6 +74,10 @@ class RestartPolicy(Base):
     backoff_max_s: NonNegative = 10.0
     # restarts longer ago than this no longer count against max_restarts (0: the whole run's do)
     window_s: NonNegative = 600.0
+    # keep one warm spare process of the actor (its modules imported) for the next restart, which
+    # then skips Python's start and the imports; it costs that process's memory. The trainer's
+    # default is on (a healed rank, docs/recovery.md)
+    spare: bool = False
 
 
 class ClusterConfig(Base):
@@ -83,6 +87,11 @@ class ClusterConfig(Base):
     heartbeat_interval_s: Seconds = 1.0
     liveness_timeout_s: Seconds = 30.0  # no heartbeat for this long: the actor is killed and restarted
     shutdown_grace_s: NonNegative = 10.0  # SIGTERM -> SIGKILL for children at shutdown
+    # SIGTERM or SIGUSR1 to an RL job (launch/miles.sh, the node daemon) drains it: the step in
+    # progress finishes (or its wait for a batch is abandoned), a checkpoint is written and the
+    # job exits 0, resumable by the same command; past this deadline it stops as for SIGINT.
+    # Below Slurm's KillWait (30 s by default). SIGINT (Ctrl-C) never drains.
+    drain_timeout_s: Seconds = 25.0
     start_timeout_s: Seconds = 120.0  # an actor must register within this
     auth: Literal["none", "curve"] = "none"  # curve: CurveZMQ keys made per job, passed by env
     # Same-node bulk data (a TrainStep's arrays) goes through shared memory when a message's array

@@ -39,11 +39,13 @@ Design decisions:
   `engine.health_interval_s`; when the engine set changed (a restarted engine waits for weights)
   every trainer rank publishes the current version to the new set, then the fleet is told
   (`EnginesUpdated`). In sync mode with one engine nothing else would ever give it weights.
-- A trainer rank that dies ends the job with exit code 75 (`RESUME_EXIT_CODE`): a torch
-  process group cannot take back one rank, and the state since the last checkpoint died with
-  it. `miles run` then starts the job again from the newest checkpoint by itself
+- A trainer rank that dies is healed (`loop.snapshot`, miles/rl/heal.py): the node daemon
+  restarts its process group, every rank restores its in-memory snapshot of the last train
+  call, the step in flight is trained again if it was not in the snapshot yet, and the call that
+  failed is re-sent. Where no snapshot can do it, the job ends with exit code 75
+  (`RESUME_EXIT_CODE`) and `miles run` starts it again from the newest disk checkpoint by itself
   (`loop.auto_resumes` times); the prompts in flight at that checkpoint are generated again, so
-  nothing accepted is lost. The driver's own death ends the job the same way (resume by hand).
+  nothing accepted is lost. The driver's own death ends the job (resume by hand).
 - A restarted rollout worker resumes by itself from the buffer's journal (see `actors/rollout.py`);
   the driver's calls to it are idempotent and re-sent after a restart.
 """
@@ -62,14 +64,16 @@ from miles.actors.buffer import rollout_rewards
 from miles.backends.batch import batch_arrays
 from miles.backends.batch_plan import sample_owners
 from miles.backends.config import trainer_dp_layout
+from miles.rl.heal import MAX_HEALS_PER_CALL, Healer, TrainerDied, gather_or_cancel
 from miles.rl.logger import MetricsLogger
 from miles.rl.sft import EpochLoss, REPRODUCTION_ROWS, reproduction, sft_sample
 from miles.rl.sources import make_source, tokenizer_for
 from miles.runtime import Actor, ActorDied, ActorTimeout, RemoteError
-from miles.wire.messages import (Batch, BatchIndex, BufferMetricsRequest, ConfirmBatch, EnginesUpdated,
-                                 Evaluate, GetBatch, GetEngines, GetMetrics, GetQueuedPrompts,
-                                 GetRolloutState, LoadCheckpoint, Message, PublishWeights, Sample,
-                                 SaveCheckpoint, SetVersion, StartRollout, StopRollout, TrainStep)
+from miles.wire.messages import (Batch, BatchIndex, BufferMetricsRequest, ConfirmBatch, Drain,
+                                 EnginesUpdated, Evaluate, GetBatch, GetEngines, GetMetrics,
+                                 GetQueuedPrompts, GetRolloutState, LoadCheckpoint, Message, Ok,
+                                 PublishWeights, Sample, SaveCheckpoint, SetVersion, StartJob,
+                                 StartRollout, StopRollout, TrainStep)
 
 ACTOR_RETRIES = 3    # re-sends of an idempotent call after the actor restarted
 
@@ -86,15 +90,19 @@ def actor_counters(name: str, values: dict) -> dict[str, float]:
     return {f"actor/{name}/{k}": float(values[k]) for k in ACTOR_COUNTERS if k in values}
 
 
-class TrainerDied(ActorDied):
-    """A trainer rank died: its process group cannot take it back, so the job resumes."""
-
-
 FILTER_WARN_S = 60.0  # a step waiting this long for its batch says whether the filter starves it
                      # (or half of loop.timeout_s, when that is sooner)
 
 
+class Drained(Exception):
+    """The wait for a batch was abandoned: the job drains (SIGTERM / SIGUSR1)."""
+
+
 class LoopDriver(Actor):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drain_reason, self.drain_asked = "", asyncio.Event()
+
     async def run(self) -> int:
         try:
             return await self.run_loop()
@@ -114,17 +122,24 @@ class LoopDriver(Actor):
             self.log.log("sft", sft_step, metrics)
         await self.evaluate(step, self.version, wait=True)
         await self.buffer_call(SetVersion(version=self.version))
+        await self.buffer_call(StartJob(resumed_step=step, fresh=step == 0 and not self.resumed,
+                                        driver=self.run_id))
         await self.rollout.call(StartRollout(data_state=data_state, replay=replay),
                                 retries=ACTOR_RETRIES)
 
         for step in range(step + 1, r.loop.num_steps + 1):
+            if self.drain_asked.is_set():
+                return await self.drain(step - 1)
             await self.start_recording(step)
             t_wait = time.monotonic()
-            batch, request_id = await self.next_batch(step)
+            try:
+                batch, request_id = await self.next_batch(step)
+            except Drained:  # abandoned while it waited for its batch: nothing trained, nothing lost
+                return await self.drain(step - 1)
             t0 = time.monotonic()
             train_metrics = await self.train([s for g in batch.groups for s in g.samples])
             train_s = time.monotonic() - t0
-            await self.buffer_call(ConfirmBatch(request_id=request_id))
+            await self.buffer_call(ConfirmBatch(request_id=request_id, step=step))
             self.version += 1
             t_pub = time.monotonic()
             weights = await self.publish(self.version)
@@ -151,6 +166,31 @@ class LoopDriver(Actor):
 
     # ----- the pieces the loop is made of --------------------------------------------------------
 
+    def on_drain(self, msg: Drain) -> Ok:
+        """SIGTERM / SIGUSR1 reached the node daemon: the loop drains at its next step boundary,
+        or abandons the wait for a batch (module docstring)."""
+        self.drain_reason = msg.reason or "asked"
+        self.drain_asked.set()
+        return Ok(detail="draining")
+
+    async def drain(self, step: int) -> int:
+        """Stop the rollout, checkpoint `step` (its prompts read but not trained are in it),
+        say in one line that the run is resumable, and end the job with exit code 0."""
+        t0 = time.monotonic()
+        await self.rollout.call(StopRollout(), retries=ACTOR_RETRIES)
+        path = self.ckpt_root / f"step_{step:06d}"
+        if step > 0 and not (path / "loop_state.json").exists():
+            path = await self.checkpoint(step, self.version)
+        where = f"the checkpoint {path}" if step > 0 else "the start (no step trained yet)"
+        print(json.dumps({"drained": True, "step": step, "version": self.version,
+                          "checkpoint": str(path) if step > 0 else None,
+                          "drain_s": round(time.monotonic() - t0, 2)}), flush=True)
+        print(f"[driver] drained on {self.drain_reason} after step {step}: resumable from {where}; "
+              f"run the same command again to resume", flush=True)
+        if getattr(self, "log", None) is not None:
+            await asyncio.to_thread(self.log.close, plot=False)
+        return 0
+
     async def connect(self) -> None:
         rt, r = self.runtime, self.recipe
         self.buffer, self.rollout = rt.ref("buffer"), rt.ref("rollout")
@@ -158,6 +198,7 @@ class LoopDriver(Actor):
         spec = r.actors["trainer"]
         world = len(spec.nodes or [spec.node]) * spec.procs_per_node
         self.trainers = [rt.ref(f"trainer/{i}") for i in range(world)]
+        self.healer = Healer(self)
         for ref in [*self.trainers, self.buffer, self.rollout]:
             await rt.lookup(ref.name, wait_s=r.engine.start_timeout_s)
         self.engines = rt.ref("engines")
@@ -188,16 +229,26 @@ class LoopDriver(Actor):
         rec.step = step
 
     async def on_all_trainers(self, msg, timeout_s: float | None = None) -> list:
-        """`msg` to every trainer rank, or `msg[i]` to rank i when it is a list."""
+        """`msg` to every trainer rank, or `msg[i]` to rank i when it is a list. A rank that dies
+        meanwhile is healed from the in-memory snapshots and the call re-sent (`miles/rl/heal.py`);
+        where that cannot be, `TrainerDied` ends the job for a restart from disk."""
         timeout_s = timeout_s or self.recipe.loop.timeout_s
         msgs = msg if isinstance(msg, list) else [msg] * len(self.trainers)
-        try:
-            return await asyncio.gather(*(t.call(m, timeout_s=timeout_s) for t, m in zip(self.trainers, msgs)))
-        except ActorDied as e:
-            raise TrainerDied(str(e)) from None
+        for heals in range(MAX_HEALS_PER_CALL + 1):
+            try:
+                return await gather_or_cancel([t.call(m, timeout_s=timeout_s)
+                                               for t, m in zip(self.trainers, msgs)])
+            except ActorDied as e:
+                if heals == MAX_HEALS_PER_CALL:
+                    raise TrainerDied(f"{e} (healed {heals} times during this call already)") from None
+                record = await self.healer.heal(e, type(msgs[0]).__name__)
+                if getattr(self, "log", None) is not None:
+                    self.log.log("heal", self.healer.train_call, record)
+        raise AssertionError("unreachable")
 
     async def train(self, samples: list[Sample], phase: str = "rl") -> dict[str, float]:
-        results = await self.on_all_trainers(shard_batch(samples, self.recipe.train, len(self.trainers), phase))
+        msgs = self.healer.stamp(shard_batch(samples, self.recipe.train, len(self.trainers), phase))
+        results = await self.on_all_trainers(msgs)
         return results[0].metrics
 
     async def buffer_call(self, msg: Message, timeout_s: float = 60.0) -> Message:
@@ -227,6 +278,8 @@ class LoopDriver(Actor):
         waited, warn_s = time.monotonic(), min(FILTER_WARN_S, r.loop.timeout_s / 2)
         try:
             while not (await asyncio.wait({get}, timeout=r.engine.health_interval_s))[0]:
+                if self.drain_asked.is_set():
+                    raise Drained()
                 await self.sync_engines()
                 if time.monotonic() - waited >= warn_s:  # say why the batch is not filling
                     waited = time.monotonic()
@@ -325,6 +378,8 @@ class LoopDriver(Actor):
     async def resume_or_warm_start(self) -> tuple[int, int, dict, list[int]]:
         r = self.recipe
         latest = self.latest_checkpoint() if r.loop.resume else None
+        # a job after one that died before its first checkpoint: its ledger rolls back all of it
+        self.resumed = r.loop.resume and (Path(r.output_dir) / "buffer" / "ledger.bin").exists()
         if latest is not None:
             states = await self.on_all_trainers(LoadCheckpoint(path=str(latest)))
             state = states[0].extra_state

@@ -80,6 +80,9 @@ def status(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     args = p.parse_args(argv)
     run = _run_dir(args.run)
+    if (run / "buffer" / "ledger.bin").exists():  # the prompts' fates, live or ended
+        from miles.actors.ledger import check_run
+        print(check_run(run).line())
     url = live_url(run)
     if url is None:
         print(f"miles: {run}: no live job (no metrics_url.node0; logging.metrics_port = -1?)", file=sys.stderr)
@@ -188,4 +191,25 @@ def _bad(message: str) -> int:
     return 2
 
 
-COMMANDS = {"dashboard": dashboard, "status": status, "logs": logs, "episodes": episodes}
+def ledger(argv: list[str]) -> int:
+    """`miles ledger RUN`: the exactly-once invariant over the run's prompt ledger, from its files
+    alone (miles/actors/ledger.py); exit code 1 when it does not hold."""
+    p = argparse.ArgumentParser(prog="miles ledger")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true", help="the whole report as one JSON line")
+    args = p.parse_args(argv)
+    from miles.actors.ledger import check_run
+
+    report = check_run(Path(args.run))
+    if args.json:
+        import msgspec
+        print(msgspec.json.encode({**msgspec.structs.asdict(report), "ok": report.ok}).decode())
+    else:
+        print(report.line())
+        for problem in report.problems:
+            print(f"  {problem}")
+    return 0 if report.ok else 1
+
+
+COMMANDS = {"dashboard": dashboard, "status": status, "logs": logs, "episodes": episodes,
+            "ledger": ledger}

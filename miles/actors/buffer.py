@@ -57,6 +57,9 @@ Design decisions:
 - A group is all the samples of its prompt's rollouts, and a rollout may have produced several
   (a trajectory tree: siblings share `rollout_id`), so a group's size varies; nothing here counts
   samples against `n_samples_per_prompt`. The filter looks at one reward per rollout.
+- The prompt ledger (`<output_dir>/buffer/ledger.bin`, `miles.actors.ledger`): each prompt's
+  event is appended before the transition it comes with is journalled, so a buffer killed
+  between the two has the event twice at worst (the checker counts a fact once), never not at all.
 - Idle time: the time the trainer spent waiting in `GetBatch` is the trainer's idle time; the
   rollout reports engine idle time itself.
 """
@@ -72,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.actors.admission import admits
+from miles.actors.ledger import Ledger
 from miles.runtime import Actor, ActorError
 from miles.wire.journal import Journal
 from miles.actors.slots import (HOLDING, STATES, JournalBatchOut, JournalBatchTrained,
@@ -81,7 +85,8 @@ from miles.rl.rewards import load_function
 from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, GetBatch,
                                  GetQueuedPrompts, GetRolloutResume, Group, Message, Metrics,
                                  NoteRolloutStart, OrphanSlot, PutGroup, PutReply, QueuedPrompts,
-                                 ReleaseSlot, Reservation, Reserve, RolloutResume, SetVersion)
+                                 ReleaseSlot, Reservation, Reserve, RolloutResume, SetVersion,
+                                 StartJob)
 
 @dataclass
 class Decision:
@@ -158,6 +163,7 @@ class Buffer(Actor):
         self.rollout_data: dict[str, Any] = {}
         self.rollout_replay: list[int] = []
         self.journal: Journal | None = None
+        self.ledger: Ledger | None = None     # every prompt's fate (miles/actors/ledger.py)
         self.compact_records = 2000
         self._changed = asyncio.Condition()
         self.configure()
@@ -166,6 +172,7 @@ class Buffer(Actor):
                   filter_spec: str = "none", policy: BufferPolicy | None = None,
                   reward_key: str = "") -> None:
         self.capacity_groups, self.groups_per_step = capacity_groups, groups_per_step
+        self.filter_spec = filter_spec
         self.max_staleness = max_staleness
         if filter_spec in FILTERS:
             self.keep_group = functools.partial(FILTERS[filter_spec], reward_key=reward_key)
@@ -188,10 +195,21 @@ class Buffer(Actor):
             self.compact_records = r.buffer.journal_compact_records
             self.open_journal(Path(r.output_dir) / "buffer" / "journal.bin",
                               restore=self.incarnation > 0)
+            self.ledger = Ledger(Path(r.output_dir) / "buffer" / "ledger.bin")
 
     async def on_stop(self) -> None:
         if self.journal is not None:
             self.journal.close()
+        if self.ledger is not None:
+            self.ledger.close()
+
+    def _note(self, prompt: int, fate: str, reason: str = "", step: int = 0) -> None:
+        if self.ledger is not None:
+            self.ledger.note(prompt, fate, reason, step)
+
+    def on_start_job(self, msg: StartJob) -> None:
+        if self.ledger is not None:
+            self.ledger.start_job(msg.resumed_step, msg.fresh, msg.driver)
 
     # ----- the journal -------------------------------------------------------------------------
 
@@ -361,6 +379,7 @@ class Buffer(Actor):
                 raise ActorError(f"Reserve from rollout incarnation {msg.owner}: incarnation "
                                  f"{self.rollout_owner} owns the rollout now")
             stale = self.stale_prompts[0] if self.stale_prompts else -1
+            self._note(stale if stale >= 0 else msg.prompt_index, "read")
             self._commit(JournalReserved(
                 slot=self.next_slot, version=self.version,
                 prompt_index=stale if stale >= 0 else msg.prompt_index,
@@ -377,6 +396,7 @@ class Buffer(Actor):
         async with self._changed:
             row = self.table.get(msg.slot)
             if row is not None and row.state in HOLDING:  # else: released already (a re-send)
+                self._note(row.prompt_index, "dropped", msg.reason or "released by the rollout worker")
                 self._commit(JournalHandedBack(slot=msg.slot, why="dropped"))
             self._changed.notify_all()
 
@@ -407,12 +427,14 @@ class Buffer(Actor):
     async def on_put_group(self, msg: PutGroup) -> PutReply:
         async with self._changed:
             if msg.slot >= self.next_slot:  # a put without a reservation: admitted as it comes
+                self._note(msg.group.prompt_index, "read")
                 self._commit(JournalReserved(slot=msg.slot, version=self.version, owner=msg.owner))
             refused = self._refuse_put(msg)
             if refused is not None:
                 return refused
             decision = self.policy.on_put(msg.group)
             if decision.action == "keep" and not self.keep_group(msg.group):
+                self._note(msg.group.prompt_index, "filtered", f"buffer.filter = {self.filter_spec}")
                 self._commit(JournalHandedBack(slot=msg.slot, why="filtered"))
                 self._changed.notify_all()
                 return PutReply(decision="drop", reason="filtered by buffer.filter")
@@ -422,8 +444,9 @@ class Buffer(Actor):
                 self._commit(JournalRetry(slot=msg.slot, attempt=attempt))
                 return PutReply(decision="retry", reason=decision.reason)
             if decision.action != "keep":
-                self._commit(JournalHandedBack(
-                    slot=msg.slot, why={"drop": "dropped", "stale": "stale"}[decision.action]))
+                why = {"drop": "dropped", "stale": "stale"}[decision.action]
+                self._note(msg.group.prompt_index, why, f"buffer policy: {decision.reason or why}")
+                self._commit(JournalHandedBack(slot=msg.slot, why=why))
                 self._changed.notify_all()
                 return PutReply(decision=decision.action, reason=decision.reason)
             self.waiting_room.add(msg.slot)
@@ -460,6 +483,8 @@ class Buffer(Actor):
                     if lag > self.max_staleness + 1:  # backstop; admission normally prevents it
                         decision = self.policy.on_stale(group, lag)
                         retry = group.prompt_index if decision.action == "retry" else -1
+                        self._note(group.prompt_index, "stale" if retry >= 0 else "dropped",
+                                   f"{decision.reason or 'stale'}" + (": re-issued" if retry >= 0 else ""))
                         self._commit(JournalHandedBack(slot=slot, why="stale", retry_prompt=retry))
                         self._changed.notify_all()  # the window moved: admission may go on
                         continue
@@ -482,6 +507,8 @@ class Buffer(Actor):
     async def on_confirm_batch(self, msg: ConfirmBatch) -> None:
         async with self._changed:
             if msg.request_id in self.batches:  # else confirmed already (a re-send)
+                for slot in self.batches[msg.request_id][0]:
+                    self._note(self.table[slot].prompt_index, "trained", step=msg.step)
                 self._commit(JournalBatchTrained(request_id=msg.request_id))
             self._changed.notify_all()
 
@@ -517,7 +544,8 @@ class Buffer(Actor):
         return out
 
     def on_get_queued_prompts(self, msg: GetQueuedPrompts) -> QueuedPrompts:
-        queued = [r.prompt_index for r in self.table.values() if r.state == "queued"]
+        # "out": a batch handed to a driver that will not train it (a drain abandoned its wait)
+        queued = [r.prompt_index for r in self.table.values() if r.state in ("queued", "out")]
         return QueuedPrompts(indices=queued + list(self.stale_prompts))
 
     def on_buffer_metrics_request(self, msg: BufferMetricsRequest) -> Metrics:

@@ -17,6 +17,13 @@ Design decisions:
   same objective with `loss_type = "sft"`, a constant `sft.lr`). Each call hands its phase to
   `backend.train`, so nothing is switched on the backend between calls, and the backend keeps one
   optimizer and schedule per phase: RL starts at step 0 of its schedule with fresh Adam moments.
+- In-memory snapshots (`loop.snapshot`, miles/backends/snapshot.py): after each train call the
+  rank's state (`backend.memory_state`) is copied into its file in the node daemon's /dev/shm
+  directory (miles/wire/snapshot.py) in a worker
+  thread, while the driver confirms the batch and publishes (publishing only reads the weights);
+  the next call that changes the state waits for the copy. A restarted rank restores from it
+  when the driver asks (`RestoreSnapshot`), and answers a train call it already made (the
+  snapshot was taken after it) with that call's metrics instead of training it twice.
 """
 
 from __future__ import annotations
@@ -24,12 +31,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import time
 
 import msgspec
 
 from miles.runtime import Actor
+from miles.wire.snapshot import ENV_DIR, SnapshotFile, snapshot_bytes
 from miles.wire.messages import (CheckpointState, GetEngines, LoadCheckpoint, Ok, Published,
-                                 PublishWeights, SaveCheckpoint, TrainResult, TrainStep)
+                                 PublishWeights, RestoreSnapshot, SaveCheckpoint, SnapshotState,
+                                 TrainResult, TrainStep)
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +52,17 @@ def _takes_index(train) -> bool:
 
 
 class Trainer(Actor):
+    preload = ("torch", "transformers", "miles.backends.fsdp", "miles.weights.publisher")  # what a warm spare imports ahead (restart.spare)
+
     def __init__(self, name: str = "trainer/0"):
         super().__init__(name)
         self.lock = asyncio.Lock()
         self.backend = None
         self.publisher = None
+        self.snapshots = None          # SnapshotFile, with loop.snapshot and a keeper directory
+        self.snapshot_note = ""        # why there are none
+        self._snapshotting: asyncio.Future | None = None
+        self.train_call, self.train_metrics = 0, {}   # the driver's last train call made here
 
     async def on_start(self) -> None:
         from miles.backends.base import RankInfo
@@ -53,10 +70,26 @@ class Trainer(Actor):
         self.rank = RankInfo.from_env()
         self.phases = phases_for(self.recipe)
         self.backend = await asyncio.to_thread(build_backend, self.recipe, self.rank)
+        self.snapshots, self.snapshot_note = open_snapshots(self.recipe, self.rank.rank)
 
     async def _run(self, fn, *args):
         async with self.lock:
+            await self._snapshot_done()
             return await asyncio.to_thread(fn, *args)
+
+    async def _snapshot_done(self) -> None:
+        if self._snapshotting is not None:
+            await asyncio.shield(self._snapshotting)
+
+    def _snapshot(self, train_call: int, metrics: dict[str, float]) -> None:
+        """Copy the state after `train_call` into the keeper's memory (a worker thread)."""
+        try:
+            meta, arrays = self.backend.memory_state(train_call, metrics)
+            self.snapshots.write(meta, arrays)
+            self.snapshot_bytes = snapshot_bytes(arrays)
+        except Exception as e:  # noqa: BLE001 - a snapshot must never fail training: disk heals it
+            self.snapshots, self.snapshot_note = None, f"{type(e).__name__}: {e}"
+            log.warning("in-memory snapshots off for this rank: %s", self.snapshot_note)
 
     async def on_train_step(self, msg: TrainStep) -> TrainResult:
         # The phase is an argument of the call, never state set on the backend: a call waiting
@@ -71,8 +104,35 @@ class Trainer(Actor):
                                 "train from a data-parallel shard of the batch (miles/backends/base.py: "
                                 "train(samples, phase, index)); add the parameter, or run one DP rank")
             # else: the shard is the whole batch (one DP rank); a backend older than `index` trains it
-        metrics = await self._run(train, msg.samples, self.phases[msg.phase])
-        return TrainResult(metrics={k: float(v) for k, v in metrics.items()})
+        if msg.train_call and msg.train_call == self.train_call:
+            # healed from a snapshot taken after this call: its result, not a second update
+            return TrainResult(metrics=dict(self.train_metrics))
+        raw = await self._run(train, msg.samples, self.phases[msg.phase])
+        metrics = {k: float(v) for k, v in raw.items()}
+        self.train_call, self.train_metrics = msg.train_call, metrics
+        if self.snapshots is not None and msg.train_call:
+            # after the reply is on its way: the copy overlaps the driver's confirm and publish
+            self._snapshotting = asyncio.ensure_future(asyncio.to_thread(
+                self._snapshot, msg.train_call, metrics))
+        return TrainResult(metrics=metrics)
+
+    async def on_restore_snapshot(self, msg: RestoreSnapshot) -> SnapshotState:
+        """List the train calls whose snapshot this rank holds (-1), or restore one."""
+        images = self.snapshots.images() if self.snapshots is not None else []
+        calls = [int(i.meta["train_call"]) for i in images]
+        if msg.train_call < 0:
+            return SnapshotState(train_calls=calls, detail=self.snapshot_note if self.snapshots is None
+                                 else "" if calls else f"no complete snapshot in {self.snapshots.path}")
+        image = next((i for i in images if i.meta["train_call"] == msg.train_call), None)
+        if image is None:
+            raise LookupError(f"rank {self.rank.rank} holds no snapshot of train call "
+                              f"{msg.train_call} (it holds {calls})")
+        t0 = time.perf_counter()
+        async with self.lock:
+            await asyncio.to_thread(self.backend.load_memory_state, image)
+        self.train_call, self.train_metrics = msg.train_call, dict(image.meta["metrics"])
+        return SnapshotState(train_calls=calls, restored=msg.train_call,
+                             restore_s=time.perf_counter() - t0)
 
     async def _ensure_publisher(self, engine_urls: list[str] | None = None):
         """Connect the transport (and on rank 0 the publisher) to `engine_urls`, by default the
@@ -201,15 +261,30 @@ class Trainer(Actor):
         out = super().metrics()
         if self.backend is not None:
             out["trainer/step"] = float(self.backend.step)
+        if getattr(self, "snapshot_bytes", 0):
+            out["trainer/snapshot_bytes"] = float(self.snapshot_bytes)
         return out
 
     async def on_stop(self) -> None:
+        await self._snapshot_done()
         if self.publisher is not None:
             await self.publisher.close()
         if getattr(self, "transport", None) is not None:
             await asyncio.to_thread(self.transport.close)
         if self.backend is not None:
             self.backend.close()
+
+
+def open_snapshots(recipe, rank: int):
+    """(this rank's SnapshotFile, "") with `loop.snapshot` and the node daemon's directory
+    (`MILES_SNAPSHOT_DIR`), else (None, why not)."""
+    if not recipe.loop.snapshot:
+        return None, "loop.snapshot = false"
+    folder = os.environ.get(ENV_DIR, "")
+    if not folder or not os.path.isdir(folder):
+        return None, (f"no snapshot keeper: {ENV_DIR} = {folder!r} is not a directory (the node "
+                      "daemon that kept it is gone)")
+    return SnapshotFile(os.path.join(folder, f"trainer-{rank}.snap")), ""
 
 
 def build_backend(recipe, rank):

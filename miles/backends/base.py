@@ -146,6 +146,17 @@ class TrainingBackend(ABC):
     def close(self) -> None:
         """Release the process group and device memory (optional)."""
 
+    def memory_state(self, train_call: int, metrics: dict[str, float]) -> tuple[dict, list]:
+        """This rank's state as (a msgpack-able table, host arrays) for the in-memory snapshot
+        (`loop.snapshot`, miles/wire/snapshot.py). Optional: NotImplementedError (the default)
+        leaves a dead rank to the disk checkpoint."""
+        raise NotImplementedError(f"train.backend = {self.name!r} takes no in-memory snapshot; "
+                                  "set loop.snapshot = false (a dead rank restarts the job from disk)")
+
+    def load_memory_state(self, image) -> None:
+        """Put back what `memory_state` gave (a `miles.wire.snapshot.Image`), in place."""
+        raise NotImplementedError(f"train.backend = {self.name!r} takes no in-memory snapshot")
+
 
 BACKEND_CLASSES = {
     "fsdp": "miles.backends.fsdp:FSDPBackend",

@@ -76,7 +76,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.algo import LossConfig
-from miles.backends import attention, train_common
+from miles.backends import attention, snapshot, train_common
 from miles.backends.base import MAIN_PHASE, Metrics, RankInfo, TrainingBackend, TrainPhase
 from miles.backends.batch import CheckedBatch
 from miles.backends.batch_plan import plan_batch
@@ -446,6 +446,12 @@ class FSDPBackend(TrainingBackend):
         return dict(state.get("extra_state", {}))
 
     # ------------------------------------------------------------------ memory
+    def memory_state(self, train_call: int, metrics: dict[str, float]) -> tuple[dict, list]:
+        return snapshot.capture(self, train_call, metrics)
+
+    def load_memory_state(self, image) -> None:
+        snapshot.restore(self, image)
+
     def sleep(self) -> None:
         for model in (self.policy, self.ref, self.teacher):
             if model is not None:

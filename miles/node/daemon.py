@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Callable
@@ -21,7 +22,7 @@ from miles.node.placement import Child, Placement
 from miles.node.supervisor import Supervisor
 from miles.runtime import Actor, ActorError, Registry, Runtime, run_event_loop
 from miles.wire import auth, shm
-from miles.wire.messages import Ok, Shutdown
+from miles.wire.messages import Drain, Ok, Shutdown
 
 
 class NodeDaemon(Placement, Supervisor, Cluster, Metrics, Logs, Actor):
@@ -35,8 +36,10 @@ class NodeDaemon(Placement, Supervisor, Cluster, Metrics, Logs, Actor):
         self.exit_code: int | None = None
         self._done = asyncio.Event()
         self._shutting_down = False
+        self._draining = False
         self.registry_actor: Registry | None = None
         self._lost: set[int] = set()  # node ranks the head found lost
+        self.snapshot_dir: Path | None = None  # trainer ranks' in-memory snapshots (the keeper's)
         self.progress = self._progress()
 
     @property
@@ -45,9 +48,8 @@ class NodeDaemon(Placement, Supervisor, Cluster, Metrics, Logs, Actor):
 
     async def run_node(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(
-                self.shutdown(f"signal {signal.Signals(s).name}", 128 + s, by_signal=True)))
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(self.on_signal(s)))
         cl = self.recipe.cluster
         # cluster.auth = "curve": the keypair exported by the launcher (one for all nodes), else
         # a fresh one for this job (miles.wire.auth).
@@ -72,6 +74,7 @@ class NodeDaemon(Placement, Supervisor, Cluster, Metrics, Logs, Actor):
             watchers.append(asyncio.create_task(
                 self._watch_nodes() if self.node.node_rank == 0 else self._watch_head()))
         observer = await self._serve_metrics()
+        self.snapshot_dir = keep_snapshots(self.registry_endpoint, self.node.node_rank)
         if await self._until_done(self._discover_nodes()):
             self.children = self.plan()
             self._warn_ephemeral_master_ports()
@@ -86,6 +89,8 @@ class NodeDaemon(Placement, Supervisor, Cluster, Metrics, Logs, Actor):
             await observer.cleanup()
             (Path(self.recipe.output_dir) / f"metrics_url.node{self.node.node_rank}").unlink(missing_ok=True)
         await self.close()
+        if self.snapshot_dir is not None:  # the keeper's memory goes with the job
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         if self.registry_actor is not None:
             await asyncio.sleep(0.2)  # let the other nodes' shutdown calls be answered
             await self.registry_actor.close()
@@ -117,11 +122,57 @@ class NodeDaemon(Placement, Supervisor, Cluster, Metrics, Logs, Actor):
             self._log(f"shutting down: {reason}; {where_stopped(self.recipe.output_dir)}")
         self._done.set()
 
+    async def on_signal(self, sig: int) -> None:
+        """SIGINT stops at once; SIGTERM / SIGUSR1 (Slurm's preemption signals) drain an RL job
+        first: the driver finishes or abandons its step, checkpoints and exits 0, which ends the
+        job on every node; a second signal, or the deadline, stops it at once."""
+        name = signal.Signals(sig).name
+        stop = lambda why="": self.shutdown(f"signal {name}{why}", 128 + sig, by_signal=True)  # noqa: E731
+        driver = self.recipe.actors.get("driver")
+        rl_job = bool(self.recipe.model.path or self.recipe.model.tiny)  # its driver is the loop's
+        if sig == signal.SIGINT or self._draining or not rl_job or driver is None or not driver.main:
+            await stop()
+            return
+        self._draining = True
+        deadline_s = self.recipe.cluster.drain_timeout_s
+        if self.node.node_rank == 0:
+            self._log(f"{name}: draining the job (the step in progress finishes or is abandoned, "
+                      f"then a checkpoint; cluster.drain_timeout_s = {deadline_s})")
+            try:
+                await self.runtime.ref("driver").call(Drain(reason=name), timeout_s=CALL_TIMEOUT_S)
+            except Exception as e:  # no driver to drain (not started, or gone): stop now
+                self._log(f"the driver did not take the drain ({type(e).__name__}: {e})")
+                await stop()
+                return
+        else:  # the head drains the job and then stops this node (on_shutdown)
+            self._log(f"{name}: waiting up to {deadline_s} s for the head to drain the job")
+        try:
+            await asyncio.wait_for(asyncio.shield(self._done.wait()), deadline_s)
+        except asyncio.TimeoutError:
+            await stop(f": the drain did not finish within cluster.drain_timeout_s = {deadline_s}")
+
     async def on_shutdown(self, msg: Shutdown) -> Ok:
         asyncio.get_running_loop().call_soon(
             lambda: asyncio.ensure_future(self.shutdown(msg.reason or "asked by the head",
                                                         msg.exit_code)))
         return Ok(detail=f"{self.name} shutting down")
+
+
+def keep_snapshots(registry_endpoint: str, node_rank: int) -> Path | None:
+    """The directory in /dev/shm where this node's trainer ranks keep their in-memory snapshots
+    (miles/wire/snapshot.py): made by the daemon, which outlives them, and removed at the
+    job's end; those of earlier jobs whose daemon is gone are removed first. None without /dev/shm."""
+    if not shm.available():
+        return None
+    prefix = "miles-snap-" + shm.job_prefix({**os.environ, "MILES_REGISTRY": registry_endpoint}
+                                            ).removeprefix("miles-shm-")
+    for old in Path(shm.SHM_DIR).glob(prefix + "*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    folder = Path(shm.SHM_DIR) / f"{prefix}node{node_rank}-{os.getpid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
 
 
 def run_node(recipe: Recipe, prepare: Callable[[Recipe], Recipe] = lambda recipe: recipe) -> int:

@@ -34,6 +34,7 @@ class Child:
     registered: bool = False            # this incarnation is in the registry
     early_failure: tuple | None = None  # (exit code, last error line) of an early death
     reported_slow_start: bool = False
+    spare: SupervisedProcess | None = None  # restart.spare: the next incarnation, imported, waiting
 
     def log_tail(self, n_lines: int = LOG_TAIL_LINES) -> str:
         return read_log_tail(self.log_path, n_lines, since=self.log_offset)
@@ -100,6 +101,8 @@ class Placement:
                    MILES_NODE_RANK=str(self.node.node_rank), MILES_HOST=self.node.host,
                    MILES_INCARNATION=str(child.incarnation),
                    MILES_LOG_LEVEL=self.recipe.run.log_level.upper(), PYTHONUNBUFFERED="1")
+        if getattr(self, "snapshot_dir", None) is not None:
+            env["MILES_SNAPSHOT_DIR"] = str(self.snapshot_dir)
         if "MASTER_PORT" in child.env:
             env["MASTER_ADDR"] = self._master_addr(int(child.env["MILES_MASTER_NODE"]))
         auth.set_child_env(env, self.runtime.curve)  # the job's CurveZMQ keys, never argv

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 import time
+from pathlib import Path
 
 from miles.config import Recipe
 from miles.node.cluster import CALL_TIMEOUT_S, NodeEnv
@@ -33,13 +34,53 @@ class Supervisor:
             from miles.console import forwarder
             child.follower = LogFollower(child.log_path, f"[{child.name}] ".encode(),
                                          forwarder(self.progress, self._write_console))
-        proc = SupervisedProcess(child.name, [sys.executable, "-m", "miles.runtime.host"],
-                                 env=self._child_env(child), log_path=child.log_path).start()
+        proc = self._take_spare(child) or SupervisedProcess(
+            child.name, [sys.executable, "-m", "miles.runtime.host"], env=self._child_env(child),
+            log_path=child.log_path).start()
         child.proc, child.log_offset = proc, proc.log_offset
         child.started_at = proc.started_at
         child.exit_code = None
         child.registered = child.reported_slow_start = False
         self._spawn(self._supervise(child, proc))
+        if child.spec.restart.spare:
+            self._spawn(self._keep_spare(child, child.incarnation))
+
+    def _take_spare(self, child: Child) -> SupervisedProcess | None:
+        """The child's warm spare as its next incarnation (restart.spare), or None."""
+        spare, child.spare = child.spare, None
+        if spare is None:
+            return None
+        if not spare.alive or spare.env.get("MILES_INCARNATION") != str(child.incarnation):
+            spare.signal_all(signal.SIGKILL)
+            return None
+        spare.log_offset = child.log_path.stat().st_size if child.log_path.exists() else 0
+        spare.started_at = time.monotonic()
+        go = Path(spare.env["MILES_SPARE_GO"])
+        ready = Path(f"{go}.ready").exists()
+        go.touch()
+        self._log(f"{child.name}: incarnation {child.incarnation} is the warm spare (pid {spare.pid}, "
+                  f"{'ready' if ready else 'still importing'})")
+        return spare
+
+    async def _keep_spare(self, child: Child, incarnation: int) -> None:
+        """Once incarnation `incarnation` has registered (a spare started earlier would take the
+        CPU its start needs), start the next one as a spare: imported, waiting for its go."""
+        try:
+            await self.runtime.lookup(child.name, wait_s=self.recipe.cluster.start_timeout_s,
+                                      min_incarnation=incarnation)
+        except Exception:  # noqa: BLE001 - not registered in time: the spare comes anyway
+            pass
+        if self._shutting_down or child.incarnation != incarnation or child.spare is not None:
+            return
+        env = self._child_env(child)
+        go = child.log_path.parent / f".spare-{child.name.replace('/', '_')}-{incarnation + 1}.go"
+        go.unlink(missing_ok=True)
+        env.update(MILES_INCARNATION=str(incarnation + 1), MILES_SPARE_GO=str(go))
+        try:
+            child.spare = SupervisedProcess(f"{child.name} (spare)", [sys.executable, "-m", "miles.runtime.host"],
+                                            env=env, log_path=child.log_path).start()
+        except OSError as e:  # the restart starts a fresh process then
+            self._log(f"{child.name}: no warm spare ({type(e).__name__}: {e})")
 
     async def _supervise(self, child: Child, proc: SupervisedProcess) -> None:
         code = await proc.wait()
@@ -167,6 +208,9 @@ class Supervisor:
                     child.proc.signal_all(signal.SIGKILL)
 
     async def _terminate(self, child: Child, grace_s: float) -> None:
+        if child.spare is not None:  # a spare waits for its go and holds nothing: no grace
+            child.spare.signal_all(signal.SIGKILL)
+            child.spare = None
         proc = child.proc
         if proc is None or not proc.alive:
             return

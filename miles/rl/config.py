@@ -35,6 +35,11 @@ class LoopConfig(Section):
     # A trainer rank that dies takes its torch process group with it: the job ends with exit code
     # 75 and `miles run` starts it again from the newest checkpoint, at most this many times.
     auto_resumes: Count = 3
+    # After every train step each trainer rank snapshots its state (parameters, optimizer moments,
+    # RNGs, step) into host memory kept by its node daemon (/dev/shm); a killed rank is restarted
+    # and healed from it, with at most the step in flight redone, instead of a job restart from
+    # the disk checkpoint (docs/recovery.md). false: a dead rank restarts the job from disk.
+    snapshot: bool = True
 
     @property
     def staleness(self) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from miles.config import ActorSpec
+from miles.config import ActorSpec, RestartPolicy
 from miles.rl.data import FileSource
 from miles.rl.rewards import load_function
 
@@ -72,7 +72,7 @@ RL_ROLES = {
     "buffer": ("miles.actors.buffer:Buffer", {}),
     "rollout": ("miles.actors.rollout:RolloutWorker", {}),
     "engines": ("miles.engines.fleet:EngineFleet", {}),
-    "trainer": ("miles.actors.trainer:Trainer", {"distributed": True}),
+    "trainer": ("miles.actors.trainer:Trainer", {"distributed": True, "spare": True}),
     "evaluator": ("miles.actors.evaluator:Evaluator", {}),
 }
 TEACHER_ROLE = ("teacher_engines", "miles.engines.fleet:TeacherFleet")  # with [teacher] only
@@ -102,5 +102,8 @@ def with_default_actors(recipe):
                 if (recipe.teacher.path or recipe.teacher.tiny) and t.device == "cpu" and t.kind == "embedded":
                     engine_threads += t.num_engines * t.torch_threads
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) - engine_threads))
+            extra = dict(extra)
+            if extra.pop("spare", False):  # a warm spare for the next restart (RestartPolicy.spare)
+                extra["restart"] = RestartPolicy(spare=True)
             actors[role] = ActorSpec(cls=cls, env=env, **extra)
     return msgspec.structs.replace(recipe, actors=actors)

@@ -84,6 +84,9 @@ class Actor:
     recipe = None               # the resolved Recipe, set by the host process
     spec = None                 # this role's ActorSpec (placement and `options`)
 
+    # modules a warm spare process imports before it is needed (`restart.spare`)
+    preload: tuple[str, ...] = ()
+
     def __init__(self, name: str = ""):
         self.name = name or type(self).__name__.lower()
         self.incarnation = int(os.environ.get("MILES_INCARNATION", "0"))

@@ -14,6 +14,8 @@ Design decisions:
   for one that only serves): the daemon stops every actor at once, so errors that peers going
   away cause meanwhile are expected, and are neither raised nor logged as tracebacks. A Ctrl-C
   before the event loop runs (during imports) exits with 130, also without a traceback.
+- A warm spare (MILES_SPARE_GO, `restart.spare`) imports its actor's modules and waits for the
+  daemon's go before it starts as the next incarnation (`wait_as_spare`).
 - A failure prints its traceback and then, as the last line, `error: <Type>: <first line>`: the
   daemon quotes that line as the cause, and compares it between incarnations to spot a crash
   loop. A bad class path is a message, not a traceback.
@@ -27,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -126,6 +129,20 @@ async def _close(actor: Actor, quiet: bool) -> None:
             print(f"{actor.name}: error while stopping: {type(e).__name__}: {e}", flush=True)
 
 
+def wait_as_spare(cls: type, go: Path) -> None:
+    """A warm spare (`restart.spare`): import what the actor's start needs (`cls.preload`), then
+    wait until the node daemon hands this process the next incarnation by creating `go`. The
+    daemon starts a spare while the actor serves, so a restart skips Python's start and the
+    imports (seconds of CPU for torch and transformers)."""
+    for module in getattr(cls, "preload", ()):
+        importlib.import_module(module)
+    Path(f"{go}.ready").touch()  # for the daemon's log line and the chaos bench
+    while not go.exists():
+        time.sleep(0.05)
+    go.unlink(missing_ok=True)
+    Path(f"{go}.ready").unlink(missing_ok=True)
+
+
 def main() -> int:
     env = os.environ
     name, cls_path = env["MILES_ACTOR_NAME"], env["MILES_ACTOR_CLASS"]
@@ -138,6 +155,8 @@ def main() -> int:
         except ValueError as e:
             print(f"error: {e}", flush=True)
             return 1
+        if env.get("MILES_SPARE_GO"):
+            wait_as_spare(cls, Path(env["MILES_SPARE_GO"]))
         actor = cls(name=name)
         recipe_path = env.get("MILES_RECIPE")
         if recipe_path:

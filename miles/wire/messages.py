@@ -320,6 +320,22 @@ class GetBatch(Message):
 class ConfirmBatch(Message):
     """Driver -> buffer: the batch of `request_id` is trained; its groups may be forgotten."""
     request_id: str
+    step: int = 0                   # the training step (the ledger's `trained` entries)
+
+
+class Drain(Message):
+    """Node daemon -> driver: a SIGTERM / SIGUSR1 came; finish or abandon the step, checkpoint,
+    and exit 0 (cluster.drain_timeout_s)."""
+    reason: str = ""
+
+
+class StartJob(Message):
+    """Driver -> buffer, once per job: where it starts (the prompt ledger, miles/actors/ledger.py).
+    `fresh`: a new run (no checkpoint, loop.resume = false, or none yet); else it resumed from
+    the checkpoint of `resumed_step`."""
+    resumed_step: int = 0
+    fresh: bool = True
+    driver: str = ""
 
 
 class Batch(Message):
@@ -410,10 +426,26 @@ class TrainStep(Message):
     # None: `samples` is the whole batch (on every rank). Set: `samples` is this rank's DP share,
     # at `index.positions` of a batch the index describes (`miles.loop.shard_batch`).
     index: BatchIndex | None = None
+    # The driver's count of train calls in this job (0: not counted). A rank healed from a
+    # snapshot taken after this call answers it with the call's metrics instead of training twice.
+    train_call: int = 0
 
 
 class TrainResult(Message):
     metrics: dict[str, float]
+
+
+class RestoreSnapshot(Message):
+    """Driver -> a restarted trainer rank: -1 lists the train calls whose in-memory snapshot this
+    rank holds; >= 1 restores that one (miles/backends/snapshot.py)."""
+    train_call: int = -1
+
+
+class SnapshotState(Message):
+    train_calls: list[int] = []     # the complete snapshots this rank holds, newest first
+    restored: int = -1              # the train call restored (-1: none)
+    detail: str = ""                # why there is none (no keeper directory, torn, too big, ...)
+    restore_s: float = 0.0
 
 
 class PublishWeights(Message):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,8 @@ class Case:
     sets: dict = field(default_factory=dict)
     in_loop: bool = True
     notes: str = ""
+    drop_snapshots: bool = False  # remove the keeper's snapshot directory before each kill
+    spare_ready: bool = False     # kill an actor only once its warm spare has imported (restart.spare)
 
     def target_of(self, k: int) -> str:
         """The target of the k-th kill (0-based)."""
@@ -106,16 +109,40 @@ def engine_restart_sets(kills: int) -> dict:
     return sets
 
 
+def trainer_restart_sets(kills: int) -> dict:
+    """The trainer role placed as `with_default_actors` places it, with a restart budget for
+    `kills` deaths in one run (the default, 3 per 600 s, is an operator's, not a storm's)."""
+    threads = max(1, (os.cpu_count() or 2) - 1)  # the CPU engine's one thread (rl/sources.py)
+    return {"actors.trainer.class": json.dumps("miles.actors.trainer:Trainer"),
+            "actors.trainer.distributed": "true",
+            "actors.trainer.env.OMP_NUM_THREADS": json.dumps(str(threads)),
+            "actors.trainer.restart.max_restarts": kills + 1,
+            "actors.trainer.restart.spare": "true"}
+
+
+# The trainer cases measure the heal, not learning: every group is kept (no dynamic-sampling
+# filter, whose rate depends on what the warm start taught) and the warm start is short.
+FAST_TRAINER = {"buffer.filter": json.dumps("none"), "sft.steps": 5}
+
+
 CASES: dict[str, Case] = {c.name: c for c in [
     Case("engine", "engine"),
     Case("gateway", "gateway"),
     Case("rollout", "rollout"),
     Case("buffer", "buffer"),
-    Case("trainer", "trainer/0", sets={"loop.num_steps": 14},  # a resume from step 5: 9 steps
-         notes="a trainer rank's death ends the job by design (its torch process group cannot take "
-               "it back) and `miles run` restarts it from the newest checkpoint by itself "
-               "(loop.auto_resumes): one command, two jobs; the second's steps replace the first's "
-               "from the checkpoint on"),
+    Case("trainer", "trainer/0", kill_at_step=4, sets={"loop.num_steps": 10, **FAST_TRAINER},
+         notes="healed from its in-memory snapshot (loop.snapshot): the node daemon restarts the "
+               "rank, it restores the last train call, the step in flight is redone; no job restart"),
+    # the heal time (issue 38): the trainer rank killed 5 times, each after the run recovered
+    Case("trainer_x5", "trainer/0", kill_at_step=3, kills=5, kill_every_steps=2, spare_ready=True,
+         sets={"loop.num_steps": 14, **FAST_TRAINER, **trainer_restart_sets(5)},
+         notes="5 kills of trainer/0, each healed from memory"),
+    # the fallback: the keeper's memory is gone (the snapshot directory removed before the kill),
+    # so the heal cannot be, and the job restarts from the disk checkpoint by itself
+    Case("trainer_no_keeper", "trainer/0", kill_at_step=6, sets={"loop.num_steps": 9, **FAST_TRAINER},
+         drop_snapshots=True,
+         notes="snapshot directory removed before the kill: the driver says so and the job "
+               "restarts from the step-5 disk checkpoint (loop.auto_resumes)"),
     Case("evaluator", "evaluator", kill_at_step=6,
          notes="killed between evaluations; the next ones (steps 8, 16, 24) must be served"),
     Case("driver", "driver", kill_at_step=8, expect="resume", sets={"loop.num_steps": 14},
@@ -148,7 +175,8 @@ CASES: dict[str, Case] = {c.name: c for c in [
 # without a job restart, and bursts (a kill during the target's own restart). The trainer and the
 # driver end the job by design (docs/recovery.md), so they are not drawn.
 STORM_TARGETS = ("engine", "engine*2", "engine*3", "engines", "engines*2", "gateway", "rollout",
-                 "buffer", "evaluator")
+                 "buffer", "evaluator", "trainer/0")
+
 
 
 def storm_case(seed: int, run: int, kills: int) -> Case:
@@ -163,7 +191,8 @@ def storm_case(seed: int, run: int, kills: int) -> Case:
     return Case(f"storm{seed}_{run}", ",".join(targets), kill_at_step=rng.randint(2, 4),
                 kills=kills, kill_every_steps=rng.randint(1, 2),
                 burst_delay_s={"engine": rng.uniform(0.2, 1.5), "engines": rng.uniform(0.5, 4.0)},
-                sets={"engine.max_restarts": max(3, engine_kills + 1),
+                sets={**trainer_restart_sets(targets.count("trainer/0")),
+                      "engine.max_restarts": max(3, engine_kills + 1),
                       "engine.restart_window_s": 60.0,
                       "loop.num_steps": max(12, kill_every_steps_budget(kills))},
                 notes=f"storm seed {seed} run {run}: {targets}")
@@ -212,7 +241,17 @@ def _is(proc: psutil.Process, target: str) -> bool:
 
 
 def find_target(root: psutil.Process, target: str) -> list[psutil.Process]:
-    return [p for p in descendants(root) if _is(p, target)]
+    found = [p for p in descendants(root) if _is(p, target)]
+    if target in ("engine", "gateway") or len(found) < 2:
+        return found
+    # an actor with a warm spare (restart.spare) has two processes: the spare is the next
+    # incarnation, so the serving one has the lowest MILES_INCARNATION
+    def incarnation(p: psutil.Process) -> int:
+        try:
+            return int(p.environ().get("MILES_INCARNATION", "0"))
+        except (psutil.Error, ValueError):
+            return 1 << 30
+    return sorted(found, key=incarnation)[:1]
 
 
 # ----- the metrics file ------------------------------------------------------------------------
@@ -461,6 +500,18 @@ def _healthy(engine: psutil.Process) -> bool:
         return False
 
 
+def wait_spare_ready(run: Run, case: Case, deadline_s: float) -> None:
+    """Wait until the run's warm spare processes have imported their modules (a `.ready` file
+    beside each spare's go file in the run's logs/)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        spares = list((run.out_dir / "logs").glob(".spare-*.go.ready"))
+        if spares:
+            return
+        time.sleep(0.2)
+    raise ChaosTimeout(f"case {case.name}: no warm spare ready within {deadline_s:.0f} s")
+
+
 def kill_target(run: Run, case: Case, deadline_s: float = 30.0, not_pids: set[int] = frozenset(),
                 k: int = 0, fresh_after_s: float = -1.0) -> int:
     """SIGKILL the case's k-th target (a fresh one: not in `not_pids`; an engine, with
@@ -496,6 +547,15 @@ def _drive(run: Run, case: Case, timeout_s: float, num_steps: int, start_deadlin
     recoveries, killed, step = [], set(), case.kill_at_step
     for k in range(case.kills):
         run.wait_step(step, start_deadline_s if k == 0 else timeout_s + margin_s)
+        if case.drop_snapshots:
+            for folder in Path("/dev/shm").glob("miles-snap-*"):
+                if any(str(p.pid) == folder.name.rsplit("-", 1)[-1]
+                       for p in [run.root, *descendants(run.root)]):
+                    shutil.rmtree(folder, ignore_errors=True)
+        if case.spare_ready:
+            wait_spare_ready(run, case, timeout_s + margin_s)
+        row.setdefault("killed_wall", []).append(round(time.time(), 3))
+        row.setdefault("kill_events", []).append(case.target_of(k))
         for b in range(case.burst_of(k)):  # b > 0: its restarted process, while it restarts
             delay = case.burst_delay_s.get(case.target_of(k), 0.5) if b else -1.0
             killed.add(kill_target(run, case, deadline_s=timeout_s, not_pids=killed, k=k,
@@ -589,9 +649,13 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
         row["journal_problems"] = check_journal(row["journal"], jobs[-1])
     except Exception as e:  # a journal format this checkout cannot read
         row["journal"], row["journal_problems"] = None, [f"journal unreadable: {type(e).__name__}: {e}"]
+    row["ledger"] = ledger_row(out)
     row["num_steps"], row["eval_every"] = num_steps, recipe.loop.eval_every
     row["longest_gap_s"] = max((g for g in map(longest_gap_s, jobs) if g is not None), default=None)
     row["samples_per_prompt"] = recipe.rollout.n_samples_per_prompt
+    heals = heal_breakdown(jobs, row, recoveries)
+    if heals:
+        row["heals"] = heals
     if "evaluator" in row.get("killed", []):   # the evaluations due after the evaluator's kill
         at = row["killed_at_steps"][row["killed"].index("evaluator")]
         row["evaluator_killed_at"] = at
@@ -604,6 +668,42 @@ def run_case(case: Case, work_dir: Path, start_deadline_s: float = 240.0, margin
         row["notes"].append(f"the job ended (exit {row['first_exit_code']}); a second `miles run` "
                             f"resumed from {row.get('resumed_from') or 'nothing'}")
     return row
+
+
+def ledger_row(out_dir: Path) -> dict:
+    """The prompt ledger's verdict on the run (miles/actors/ledger.py), from its files alone."""
+    from miles.actors.ledger import check_run
+
+    try:
+        rep = check_run(out_dir)
+    except Exception as e:  # a ledger this checkout cannot read
+        return {"ok": False, "line": f"ledger unreadable: {type(e).__name__}: {e}"}
+    return {"ok": rep.ok, "line": rep.line(), "prompts_read": rep.prompts_read, "trained": rep.trained,
+            "pending": rep.pending, "rolled_back": rep.rolled_back,
+            "trained_twice": len(rep.trained_twice), "lost": len(rep.lost), "jobs": rep.jobs}
+
+
+def heal_breakdown(jobs: list[list[dict]], row: dict, recoveries: list[float]) -> list[dict]:
+    """Each trainer kill's heal (the driver's `heal` records), in four parts: detection (the kill
+    to the driver seeing the death), restart (to every rank's new incarnation registered),
+    restore (the snapshot restored and the step in flight redone) and first step (to the next
+    training step logged). Kills of other targets are skipped."""
+    records = [r for rows in jobs for r in rows if r.get("kind") == "heal"]
+    events = row.get("kill_events", [])
+    kills = [(t, rec) for t, target, rec in zip(row.get("killed_wall", []), events,
+                                                recoveries + [None] * len(events))
+             if target.startswith("trainer")]
+    out = []
+    for (t_kill, recovery), heal in zip(kills, records):
+        detect = heal["heal/seen_at"] - t_kill
+        restore = heal["heal/restore_wall_s"] + heal["heal/redo_s"]
+        part = {"detect_s": round(detect, 2), "restart_s": heal["heal/restart_s"],
+                "restore_s": round(restore, 2), "redone_calls": heal["heal/redone_calls"]}
+        if recovery is not None:
+            part["total_s"] = round(recovery, 2)
+            part["first_step_s"] = round(recovery - detect - heal["heal/restart_s"] - restore, 2)
+        out.append(part)
+    return out
 
 
 def _resumed_from(log: Path) -> str:

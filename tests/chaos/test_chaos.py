@@ -28,6 +28,7 @@ def _check(row: dict) -> None:
     assert row["trained_twice"] == 0, f"groups trained twice (None: unprovable): {why}"
     assert row["leftovers"] == [], f"processes outlived the run: {why}"
     assert row["journal_problems"] == [], f"the buffer's journal disagrees: {why}"
+    assert row["ledger"]["ok"], f"the prompt ledger's invariant does not hold: {why}"
 
 
 @pytest.mark.slow
@@ -66,10 +67,30 @@ def test_run_survives_engine_kills_during_restarts_and_two_kills_of_the_fleet_ac
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_run_survives_a_sigkill_of_a_trainer_rank(tmp_path):
+def test_a_sigkilled_trainer_rank_is_healed_from_memory_without_a_job_restart(tmp_path):
+    """Issue 38: the rank restarts alone and restores its in-memory snapshot; at most the step in
+    flight is trained again, every step once in one job, no prompt twice (the ledger)."""
     row = run_case(CASES["trainer"], tmp_path)
     assert row["kills"] == 1, row_json(row)
     _check(row)
+    log = Path(row["log"]).read_text(errors="replace")
+    assert "trainer ranks healed from train call" in log and "restarting the job" not in log, log[-4000:]
+    assert len(row["heals"]) == 1 and row["heals"][0]["redone_calls"] <= 1, row_json(row)
+    assert row["ledger"]["jobs"] == 1 and row["ledger"]["rolled_back"] == 0, row_json(row)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_without_its_snapshot_keeper_a_killed_trainer_rank_restarts_the_job_from_disk(tmp_path):
+    """The keeper's memory gone (its directory removed before the kill): the driver says so, the
+    job restarts from the disk checkpoint by itself, and the ledger counts the steps it rolled
+    back once."""
+    row = run_case(CASES["trainer_no_keeper"], tmp_path)
+    _check(row)
+    log = Path(row["log"]).read_text(errors="replace")
+    assert "falling back to the disk checkpoint" in log and "restarting the job from its newest" in log, \
+        log[-4000:]
+    assert row["ledger"]["jobs"] == 2, row_json(row)
 
 
 @pytest.mark.slow
