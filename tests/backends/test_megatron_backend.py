@@ -96,10 +96,13 @@ def test_megatron_layout_must_fit_the_trainer_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quickstart_learns_with_megatron(tmp_path):
-    """The quickstart, shortened, with only the backend switched: held-out reward rises."""
+    """The quickstart, shortened, with only the backend switched: held-out reward rises. 60 steps:
+    since the seeded sampler and the reshuffled warm start (2026-12-07) the quickstart's held-out
+    moves little in its first 40 steps (FSDP: 0.47, 0.48 at 20, 0.52 at 40, 0.61 at 60; Megatron
+    0.47 -> 0.51-0.54 at 40), so 40 steps could not show the +0.1."""
     out = tmp_path / "qs"
     args = [sys.executable, "-m", "miles.cli", "run", str(REPO / "recipes" / "quickstart.toml"),
-            "--set", 'train.backend="megatron"', "--set", "loop.num_steps=40", "--set", "loop.eval_every=20",
+            "--set", 'train.backend="megatron"', "--set", "loop.num_steps=60", "--set", "loop.eval_every=30",
             "--set", "loop.save_every=0", "--set", f"run.output_dir={json.dumps(str(out))}",
             "--set", "logging.progress=false", "--set", f"cluster.head_port={cluster_port()}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MILES_", "NODE_RANK", "NNODES"))}
@@ -115,7 +118,7 @@ def test_quickstart_learns_with_megatron(tmp_path):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     evals = [json.loads(x) for x in lines if '"kind": "eval"' in x]
     train = [json.loads(x) for x in lines if '"kind": "train"' in x]
-    assert [e["step"] for e in evals] == [0, 20, 40]
-    assert [r["step"] for r in train] == list(range(1, 41))
+    assert [e["step"] for e in evals] == [0, 30, 60]
+    assert [r["step"] for r in train] == list(range(1, 61))
     assert max(e["eval/reward"] for e in evals[1:]) >= evals[0]["eval/reward"] + 0.1, evals
     print(json.dumps({"megatron_quickstart_eval": [(e["step"], e["eval/reward"]) for e in evals]}))
