@@ -183,7 +183,7 @@ async def bench_engine(args, path, device) -> dict[int, float]:
         "--max-total-tokens", str(max_bs * (args.prompt_len + args.n_long) + 1024),
         "--context-length", str(args.prompt_len + args.n_long + 64), "--random-seed", "0",
         "--cuda-graph-max-bs", str(max_bs), "--torch-threads", str(torch.get_num_threads()),
-        "--prefill-attention", args.prefill_attention,
+        "--prefill-attention", args.prefill_attention, "--decode-kernels", args.decode_kernels,
         *(["--disable-cuda-graph"] if args.disable_cuda_graph else [])])
     server = build_server(ns)
     server.scheduler.start()
@@ -209,7 +209,8 @@ async def bench_engine(args, path, device) -> dict[int, float]:
     info = {"weights_bytes": server.runner.model.weights.nbytes(),
             "kv_bytes_per_token": server.runner.kv.nbytes() // server.runner.kv.num_slots,
             "cuda_graph": server.runner.use_graphs,
-            "prefill_attention": server.runner.prefill_attention}
+            "prefill_attention": server.runner.prefill_attention,
+            "decode_kernels": "triton" if server.runner.fused_decode else "torch"}
     del server
     return out, info
 
@@ -253,6 +254,9 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--prefill-attention", default="auto", choices=["auto", "varlen", "sdpa"],
                    help="the engine's prefill attention (varlen: FlashAttention, CUDA bf16/fp16)")
+    p.add_argument("--decode-kernels", default=None, choices=["auto", "triton", "torch"],
+                   help="the engine's decode path (triton, the default on CUDA: the fused kernels "
+                        "of kernels.py; torch, the default on CPU: op by op)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--prefill-shapes", action="store_true",
                    help="first: prefill cost at 8 new (batch, prompt length) shapes, then again")
@@ -264,6 +268,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     args.model = args.model or ("qwen2-0.5b" if cuda else "tiny")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.decode_kernels = args.decode_kernels or ("triton" if cuda else "torch")
     args.batches = [int(b) for b in (args.batches or ("1,16,64,256" if cuda else "1,4")).split(",")]
     args.prompt_len = args.prompt_len or (128 if cuda else 16)
     args.n_short = args.n_short or (32 if cuda else 8)
@@ -308,7 +313,7 @@ def main() -> None:
             "speedup_vs_baseline": round(base[b]["ms_per_step"] / (s * 1000), 2) if b in base else None,
             "baseline": args.baseline_tree and Path(args.baseline_tree).name,
             "machine": machine(device), "device": str(device), "cuda_graph": info["cuda_graph"],
-            "prefill_attention": info["prefill_attention"],
+            "prefill_attention": info["prefill_attention"], "decode_kernels": info["decode_kernels"],
             "prompt_len": args.prompt_len, "new_tokens": [args.n_short, args.n_long]}), flush=True)
 
 

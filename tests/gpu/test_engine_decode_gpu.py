@@ -24,7 +24,8 @@ MODEL = dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_l
 PROMPTS, NEW = 24, 40
 
 
-def generate(graphs: bool, temperature: float) -> tuple[list[list[int]], list[list[float]]]:
+def generate(graphs: bool, temperature: float,
+             kernels: str = "auto") -> tuple[list[list[int]], list[list[float]]]:
     from miles.engines.embedded import build_parser, build_server
     from miles.engines.embedded_engine.protocol import SamplingParams
     from miles.engines.embedded_engine.request import Request
@@ -33,6 +34,7 @@ def generate(graphs: bool, temperature: float) -> tuple[list[list[int]], list[li
                                     "--dtype", "bfloat16", "--max-running-requests", "32",
                                     "--max-total-tokens", "8192", "--context-length", "256",
                                     "--cuda-graph-precapture-kv", "0", "--random-seed", "0",
+                                    "--decode-kernels", kernels,
                                     *([] if graphs else ["--disable-cuda-graph"])])
     server = build_server(ns)
     g = torch.Generator().manual_seed(3)
@@ -50,15 +52,13 @@ def generate(graphs: bool, temperature: float) -> tuple[list[list[int]], list[li
             await server.scheduler.close()
     asyncio.run(main())
     assert server.runner.use_graphs == graphs
+    assert server.runner.fused_decode == (kernels != "torch")
     if graphs:
         assert server.runner.graphs.captured > 0
     return [r.output_ids for r in reqs], [r.output_logprobs for r in reqs]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_graph_sampling_gives_the_eager_tokens(temperature):
-    eager_ids, eager_lps = generate(False, temperature)
-    graph_ids, graph_lps = generate(True, temperature)
+def assert_same_until_rounding(eager_ids, graph_ids, eager_lps, graph_lps, temperature):
     # bf16 forwards in two shapes (the graph's padded batch and longest kv bucket, the eager
     # per-bucket attention) round differently: a sequence may part only where its two candidates
     # are within rounding (greedy: the two tokens' logprobs, i.e. the top-2 logits, agree to bf16
@@ -73,3 +73,42 @@ def test_graph_sampling_gives_the_eager_tokens(temperature):
             if temperature == 0.0:
                 assert abs(la[n] - lb[n]) < 0.02, (n, la[n], lb[n])
     assert len(parted) <= 3, parted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graph_sampling_gives_the_eager_tokens(temperature):
+    eager_ids, eager_lps = generate(False, temperature)
+    graph_ids, graph_lps = generate(True, temperature)
+    assert_same_until_rounding(eager_ids, graph_ids, eager_lps, graph_lps, temperature)
+
+
+def test_fused_kernels_give_the_torch_paths_tokens():
+    """The fused decode (kernels.py, graphs on) against the op-by-op torch decode, greedy: the same
+    tokens until two candidates are within bf16 rounding (the engine's token contract)."""
+    torch_ids, torch_lps = generate(True, 0.0, kernels="torch")
+    fused_ids, fused_lps = generate(True, 0.0, kernels="triton")
+    assert_same_until_rounding(torch_ids, fused_ids, torch_lps, fused_lps, 0.0)
+
+
+def test_fused_kernels_round_like_torch_in_bf16():
+    """On the card (Triton's interpreter rounds bf16 differently): the residual sum exact, the norm
+    and SiLU*up within one bf16 step and almost always equal."""
+    from miles.engines.embedded_engine import kernels
+    torch.manual_seed(1)
+    x = torch.randn(5, 96, dtype=torch.bfloat16, device="cuda")
+    delta = torch.randn(5, 96, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(96, dtype=torch.bfloat16, device="cuda")
+    expect_x = x + delta
+    expect_h = w * torch.nn.functional.rms_norm(expect_x.float(), (96,), eps=1e-6).to(torch.bfloat16)
+    got_x = x.clone()
+    h = kernels.rms_norm(got_x, delta, w, 1e-6)
+    assert torch.equal(got_x, expect_x)
+    # fp32 reductions may differ in order: at most one bf16 step apart, and almost all equal
+    diff = (h.float() - expect_h.float()).abs() / expect_h.float().abs().clamp_min(1e-3)
+    assert diff.max() <= 2 ** -7 and (h != expect_h).float().mean() < 0.02
+    gu = torch.randn(3, 2 * 40, dtype=torch.bfloat16, device="cuda")
+    gate, up = gu.chunk(2, dim=-1)
+    expect = torch.nn.functional.silu(gate) * up
+    got = kernels.silu_mul(gu)
+    assert (got.float() - expect.float()).abs().max() <= expect.float().abs().max() * 2 ** -7
+    assert (got != expect).float().mean() < 0.05

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-precapture-kv", type=int, default=1024,
                    help="capture every batch size's decode graph at start-up for kv lengths up to "
                         "this (0: capture each lazily, on first use)")
+    p.add_argument("--decode-kernels", choices=("auto", "triton", "torch"), default="torch",
+                   help="triton: the fused decode kernels (kernels.py; dense models, refuse to start "
+                        "without them); torch: the op-by-op path; auto: triton on CUDA where they "
+                        "apply, else torch. Default torch until the fused kernels are measured on a "
+                        "card (tests/gpu/test_engine_decode_gpu.py, bench/engine.py --decode-kernels)")
     p.add_argument("--prefill-attention", choices=("auto", "varlen", "sdpa"), default="auto",
                    help="sdpa: causal SDPA over right-padded sequences; varlen: FlashAttention "
                         "varlen (CUDA, bf16/fp16; refuse to start without it); auto: sdpa, or varlen "

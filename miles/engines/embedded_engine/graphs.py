@@ -57,7 +57,10 @@ class DecodeGraphs:
         # The step's KV slots enter the row table in the graph (padding rows: scratch row 0).
         r.kv.req_to_token[x[2], x[1]] = x[4]
         inp = DecodeInputs(x[0], x[1], x[2], x[3], x[4])
-        hidden, _ = r.model.decode(inp, kv_bucket, r.kv, r.kv.req_to_token, capture_routing=False)
+        if r.fused_decode:
+            hidden = r.model.decode_fused(inp, r.kv, r.kv.req_to_token)
+        else:
+            hidden, _ = r.model.decode(inp, kv_bucket, r.kv, r.kv.req_to_token, capture_routing=False)
         logits = r.model.logits(hidden)
         p = self.params[:, :b]
         tokens, logprobs = sample_plain(logits, p[0], p[1], p[2] > 0)
@@ -93,11 +96,15 @@ class DecodeGraphs:
             log.info("captured decode CUDA graph batch=%d kv=%d", b, kv_bucket)
         return graph
 
+    def _kv_key(self, kv_bucket: int) -> int:
+        """The fused decode attends over each row's own length: one graph for every kv bucket."""
+        return 0 if self.runner.fused_decode else kv_bucket
+
     def precapture(self, kv_buckets: list[int]) -> None:
         """Capture every batch bucket for these kv buckets now, largest batch first (the shared
         pool is sized by the first capture and reused by the smaller ones)."""
         t = time.perf_counter()
-        for kv_bucket in kv_buckets:
+        for kv_bucket in dict.fromkeys(self._kv_key(kv) for kv in kv_buckets):
             for b in reversed(self.buckets):
                 if (b, kv_bucket) not in self.graphs:
                     self.graphs[(b, kv_bucket)] = self._capture(b, kv_bucket, quiet=True)
@@ -110,7 +117,7 @@ class DecodeGraphs:
         return len(self.graphs)
 
     def _graph(self, n: int, kv_bucket: int) -> tuple[int, int]:
-        key = (next(x for x in self.buckets if x >= n), kv_bucket)
+        key = (next(x for x in self.buckets if x >= n), self._kv_key(kv_bucket))
         if key not in self.graphs:
             t = time.perf_counter()
             self.graphs[key] = self._capture(*key)

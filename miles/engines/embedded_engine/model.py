@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from miles.engines.embedded_engine import kernels
 from miles.engines.embedded_engine.params import Weights
 from miles.engines.embedded_engine.shapes import ModelShape, local_shape, shape_from_config
 
@@ -433,5 +434,32 @@ class Model:
                 x = self._layer_end(i, L, x, o, routing)
         hidden = self.final_hidden(x)
         return hidden, (torch.stack(routing, dim=1) if routing else None)
+
+    def fused_decode_supported(self) -> bool:
+        """Dense models whose head size the fused kernels tile, with Triton importable."""
+        return not self.shape.is_moe and kernels.supports(self.shape.head_dim) and kernels.available()
+
+    def decode_fused(self, inp: DecodeInputs, kv, req_to_token: torch.Tensor,
+                     splits: int | None = None) -> torch.Tensor:
+        """`decode` of a dense model through the fused kernels (kernels.py): the same math, four
+        kernels between the GEMMs of a layer, attention over each row's own length (no kv
+        bucket). Returns the final-normed hidden states [B, hidden]."""
+        s, layers, eps = self.shape, self.weights.layers, self.shape.rms_norm_eps
+        x = self._embed(inp.input_ids).contiguous()
+        h = kernels.rms_norm(x, None, layers[0]["in_norm"], eps)
+        for i, L in enumerate(layers):
+            qkv = self._linear(L, "qkv_w", h, L.get("qkv_b"))
+            q = kernels.rope_store(qkv, inp.positions, inp.out_slots, self.cos, self.sin,
+                                   L["q_norm"] if s.qk_norm else None,
+                                   L["k_norm"] if s.qk_norm else None, kv.k[i], kv.v[i],
+                                   s.num_heads, s.num_kv_heads, s.head_dim, eps)
+            o = kernels.decode_attention(q, kv.k[i], kv.v[i], req_to_token, inp.req_rows,
+                                         inp.seq_lens, self.scaling, splits)
+            h = kernels.rms_norm(x, self._o_proj(L, o), L["post_norm"], eps)
+            gate_up = self._linear(L, "gate_up_w", h)
+            down = self._reduce(self._linear(L, "down_w", kernels.silu_mul(gate_up)))
+            nxt = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.weights.final_norm
+            h = kernels.rms_norm(x, down, nxt, eps)
+        return h
 
 

@@ -25,9 +25,14 @@ Design decisions:
   logits. Measured on an H100 (2026-12-07, Qwen2-0.5B bf16, bench/engine.py --baseline-tree):
   1.02-1.04x the engine before it at batch 1-256, because the step was never host-bound: at
   batch 64, 4.2 of its 4.9 ms is the replay itself, ~470 small kernels (elementwise 1.6 ms, the
-  KV gathers 0.55, GEMMs 0.65, the sampler's cumsum over the vocabulary 0.25). Faster decode
-  needs fewer kernels: a paged decode-attention kernel reading the pool through the row table,
-  and fused norm/rope/residual kernels.
+  KV gathers 0.55, GEMMs 0.65, the sampler's cumsum over the vocabulary 0.25).
+- So dense models can decode through `Model.decode_fused` (`--decode-kernels`, kernels.py):
+  four Triton kernels between a layer's GEMMs (residual+RMSNorm, norms+RoPE+KV store, paged
+  attention over each row's own length through the row table, SiLU*up). Attention no longer
+  depends on a kv bucket, so graphs are keyed by batch bucket alone (17 at 256 requests, not 85),
+  and the eager path needs no segments. Checked against the torch path on CPU (Triton's
+  interpreter, fp32); not yet run on a card, so `--decode-kernels torch` stays the default until
+  tests/gpu/test_engine_decode_gpu.py passes and bench/engine.py measures the win.
 - Prefill is one eager forward over the new tokens (those past a prefix cache hit), packed: every index it needs is built on
   the host and moved in one transfer (`PrefillInputs`), so it never syncs the device mid-forward.
   Attention is causal SDPA over a right-padded view, or on CUDA FlashAttention varlen (the
@@ -95,6 +100,7 @@ class RunnerConfig:
     prefill_attention: str = "auto"  # auto | varlen (required) | sdpa
     quantization: str | None = None  # updates arrive in this miles.quant format (quantized.py)
     fp8_gemm: str = "off"            # auto | on | off: FP8 weights + FP8 GEMM for dense linears (fp8)
+    decode_kernels: str = "torch"    # auto | triton (required) | torch: Model.decode_fused or decode
 
 
 def runner_config(args, device: str | None = None) -> RunnerConfig:
@@ -106,7 +112,8 @@ def runner_config(args, device: str | None = None) -> RunnerConfig:
                         cuda_graph_precapture_kv=args.cuda_graph_precapture_kv,
                         mem_fraction_kv=args.mem_fraction_kv, load_format=args.load_format,
                         quantization=args.quantization, prefill_attention=args.prefill_attention,
-                        fp8_gemm=getattr(args, "fp8_gemm", "off"))
+                        fp8_gemm=getattr(args, "fp8_gemm", "off"),
+                        decode_kernels=getattr(args, "decode_kernels", "auto"))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -160,6 +167,16 @@ class ModelRunner:
         self.max_total_tokens = total
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graph and not self.shape.is_moe
                            and self.tp is None)
+        if cfg.decode_kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"decode_kernels: {cfg.decode_kernels!r} is not auto, triton or torch")
+        fused_ok = self.model.fused_decode_supported()
+        if cfg.decode_kernels == "triton" and not fused_ok:
+            raise ValueError(f"decode_kernels: 'triton' needs triton and a dense model with a "
+                             f"power-of-two head_dim >= 16 (is_moe={self.shape.is_moe}, "
+                             f"head_dim={self.shape.head_dim})")
+        # the fused decode: one graph per batch size serves every kv length (no kv buckets)
+        self.fused_decode = fused_ok and (cfg.decode_kernels == "triton" or (
+            cfg.decode_kernels == "auto" and self.device.type == "cuda"))
         self.graphs = DecodeGraphs(self, min(cfg.cuda_graph_max_bs, cfg.max_running_requests)) \
             if self.use_graphs else None
         if cfg.prefill_attention not in ("auto", "varlen", "sdpa"):
@@ -174,8 +191,9 @@ class ModelRunner:
             raise ValueError(f"prefill_attention: 'varlen' needs a working FlashAttention varlen kernel "
                              f"(CUDA, bf16/fp16); none on {self.device} in {cfg.dtype}")
         log.info("embedded engine: %s %s on %s, KV pool %d tokens (%.1f MiB), cuda graphs %s, "
-                 "prefill attention %s", self.shape.model_type, cfg.dtype, self.device, total,
-                 self.kv.nbytes() / 2**20, self.use_graphs, self.prefill_attention)
+                 "prefill attention %s, decode kernels %s", self.shape.model_type, cfg.dtype,
+                 self.device, total, self.kv.nbytes() / 2**20, self.use_graphs,
+                 self.prefill_attention, "triton" if self.fused_decode else "torch")
         if self.graphs is not None and cfg.cuda_graph_precapture_kv > 0:
             self.graphs.precapture(self.kv_buckets_up_to(cfg.cuda_graph_precapture_kv))
 
@@ -489,6 +507,9 @@ class ModelRunner:
     def _decode_eager(self, host: torch.Tensor, positions: list[int], kv_bucket: int,
                       capture_routing: bool):
         """Rows sorted by position, attention per kv bucket (`segments`), results in input order."""
+        if self.fused_decode:  # attention over each row's own length: no kv buckets to sort by
+            inp = DecodeInputs(host[0], host[1], host[2], host[3], host[4])
+            return self.model.decode_fused(inp, self.kv, self.kv.req_to_token), None
         order = sorted(range(len(positions)), key=positions.__getitem__)
         buckets = [self.kv_bucket_of(positions[j]) for j in order]
         if buckets[0] == buckets[-1]:  # one bucket: no reordering needed
