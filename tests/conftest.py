@@ -7,6 +7,9 @@
   `./test.sh &`) with SIGINT ignored, and an ignored signal stays ignored in every child, so the
   Ctrl-C tests' processes could not be interrupted. A handler of our own is reset to the default
   in each child instead.
+- `extended` tests (`pytest.mark.extended`) are deselected unless MILES_TEST_EXTENDED=1: cases
+  whose every axis another case in the suite also covers (a parallel layout that a combined layout
+  includes), kept runnable for a full check; the summary counts them as deselected.
 - Without CUDA, Triton kernels run in its interpreter (TRITON_INTERPRET=1). It must be set before
   anything imports `triton.language`: its library functions are built as interpreted or compiled
   when that module is first imported, and a test that sets it later finds compiled ones if an
@@ -27,6 +30,11 @@ if shutil.which("nvidia-smi") is None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("MILES_TEST_EXTENDED") != "1":
+        extended = [i for i in items if i.get_closest_marker("extended")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [i for i in items if not i.get_closest_marker("extended")]
     if not config.pluginmanager.hasplugin("rerunfailures"):
         return
     for item in items:

@@ -119,7 +119,10 @@ def test_terminal_cpu_runs_three_rl_steps_with_verifier_rewards(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["shared", "fleet", "external"])
+# fleet: the evaluator's own engine, a mode that is not the task's (tests/agentic/test_swe_eval.py
+# scores an oracle through it); `extended`, run with MILES_TEST_EXTENDED=1
+@pytest.mark.parametrize("mode", ["shared", pytest.param("fleet", marks=pytest.mark.extended),
+                                  "external"])
 def test_held_out_pass_at_k_in_every_eval_mode_with_the_oracle(tmp_path, mode):
     """The CPU recipe with the oracle as its `rollout.agent`: every training reward and the held-out
     pass@k are 1.0 in each eval mode (shared: the rollout engines; fleet: an engine of the

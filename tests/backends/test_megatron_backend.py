@@ -31,11 +31,20 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 GRAD_RTOL = 1e-5
 
 
+# tp2, ep2_moe, tp2_sp, tp2_sp_moe and cp2 are each covered axis by axis by cp2_ep2_moe and
+# tp2_sp_cp2_moe (1-2 min each on 2 cores): `extended`, run with MILES_TEST_EXTENDED=1.
+EXT = pytest.mark.extended
+
+
 @pytest.mark.parametrize("arch,sizes,world", [
-    ("qwen3", "2,1,1", 2), ("qwen3", "1,2,1", 2), ("qwen3_moe", "1,1,2", 2),
-    ("qwen3", "2,1,1,sp", 2), ("qwen3_moe", "2,1,1,sp", 2),
-    ("qwen3", "1,1,1,cp2", 2), ("qwen3_moe", "1,1,2,cp2", 2), ("qwen3_moe", "2,1,1,sp,cp2", 4)],
-    ids=["tp2", "pp2", "ep2_moe", "tp2_sp", "tp2_sp_moe", "cp2", "cp2_ep2_moe", "tp2_sp_cp2_moe"])
+    pytest.param("qwen3", "2,1,1", 2, id="tp2", marks=EXT),
+    pytest.param("qwen3", "1,2,1", 2, id="pp2"),
+    pytest.param("qwen3_moe", "1,1,2", 2, id="ep2_moe", marks=EXT),
+    pytest.param("qwen3", "2,1,1,sp", 2, id="tp2_sp", marks=EXT),
+    pytest.param("qwen3_moe", "2,1,1,sp", 2, id="tp2_sp_moe", marks=EXT),
+    pytest.param("qwen3", "1,1,1,cp2", 2, id="cp2", marks=EXT),
+    pytest.param("qwen3_moe", "1,1,2,cp2", 2, id="cp2_ep2_moe"),
+    pytest.param("qwen3_moe", "2,1,1,sp,cp2", 4, id="tp2_sp_cp2_moe")])
 def test_megatron_layout_matches_the_unsharded_step(arch, sizes, world, tmp_path):
     ranks = run_ranks(f"layout:{arch}:{sizes}", tmp_path, world_size=world, timeout_s=400, worker=WORKER)
     zero = ranks[0]

@@ -1,13 +1,12 @@
-"""The agent quickstart, shortened, in a real `miles run`: its warm start stops at the held-out
-target (or its cap, saying which), RL then raises held-out pass@1 over the run's own step-0
-evaluation, every trained sample is what the agent's conversation renders to, the trainer logs
-its KL to the warm start, and nothing is left open.
+"""The agent quickstart, shortened, in a real `miles run`: its warm start stops at its first
+held-out check that reaches the target, RL steps run on it with every trained sample exactly what
+the agent's conversation renders to, the trainer logs its KL to the warm start, each prompt is
+trained once, and nothing is left open.
 
-Where the warm start lands is not a step count: the copy of the digits is learnt at a step that
-differs from CPU to CPU and seed to seed (a fixed 170 steps gave greedy held-out 0.75 on Intel and
-0.97 on AMD), so the recipe stops it at a held-out target (`sft.until_heldout`) and the bounds
-below are relative to that stop, with room for any CPU. Learning's size (3 seeds, RL against
-the warm start alone) is measured by bench/agentic_learning.py, not here.
+How much it learns is a figure, not a test: the full recipe's warm start runs ~240 steps (12 min
+on 2 cores) before RL has something to improve, and 3 seeds of RL against the warm start alone
+are bench/agentic_learning.py's job (docs/figures.md). Here the target is 0 (the first check
+stops it) and the filter keeps every group, so the run takes a few minutes on any CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from miles.envs.tool_agent import PARSE_ERROR, ToolRunner, tool_specs
@@ -28,12 +26,15 @@ from tests.envs.token_checks import model_spans, model_turns
 from tests.ports import cluster_port
 
 ROOT = Path(__file__).resolve().parents[2]
-# RL steps after the warm start, and the share of the headroom (1 - step-0 pass@1) they must gain.
-# Measured (2026-12-07, 2-core CPU at load ~16): the warm start stopped at step 240 at 0.54, then
-# held-out 0.63 / 0.73 at RL steps 20 / 40 (+0.18, twice the 0.1 x 0.46 asked here; the noise of
-# one difference of two 64 x 4-sample evaluations is ~0.05). This test's own run, the same day:
-# stop at step 240 (0.543), 0.668 at RL step 40 (+0.125 against the 0.046 asked); 23 min at load 11-28.
-RL_STEPS, HEADROOM_SHARE = 40, 0.1
+RL_STEPS = 4
+# the recipe, shortened: a warm start of at most 20 steps, checked at 10 and 20 against a low
+# target, a small evaluation, every group trained (a barely warmed model's groups are mostly all
+# one reward)
+SFT_CAP = 20
+SHORT = [f"sft.steps={SFT_CAP}", "sft.until_heldout=0.01", "sft.check_from=10", "sft.check_every=10",
+         "eval.n_prompts=8",
+         'buffer.filter="none"', f"loop.num_steps={RL_STEPS}", f"loop.eval_every={RL_STEPS}",
+         "logging.record_wire=true", "logging.record_steps=[1, 2]"]
 
 
 def run_quickstart(out: Path, overrides: list[str], timeout_s: float) -> tuple[int, str]:
@@ -120,13 +121,9 @@ async def check_sample(sample, tokenizer) -> None:
     assert turns == [m.content for m in msgs if m.role == "assistant"], turns
 
 
-# What it asserts holds on any CPU with room to spare (two runs gained +0.125 and +0.18 where
-# +0.046 is asked). It keeps the suite's one rerun of a failed slow test (tests/conftest.py, named
-# in the summary) until that rerun goes for every test at once: one evaluation difference has
-# ~0.05 of noise, and a failed CI lands nothing.
 @pytest.mark.slow
-@pytest.mark.timeout(1800)   # a deadline, not a speed bound: ~25 min at load 24-28 on 2 cores
-def test_agent_quickstart_learns_from_its_warm_start_and_its_samples_are_exact(tmp_path):
+@pytest.mark.timeout(600)   # a deadline, not a speed bound: ~3 min on an idle 2-core box
+def test_agent_quickstart_runs_from_its_warm_start_and_its_samples_are_exact(tmp_path):
     import asyncio
 
     from miles.config import load_recipe
@@ -137,35 +134,27 @@ def test_agent_quickstart_learns_from_its_warm_start_and_its_samples_are_exact(t
     recipe = load_recipe(ROOT / "recipes" / "agent_quickstart.toml")
     steps = RL_STEPS
     out = tmp_path / f"agent-qs-{int(time.time())}"
-    # the flight recorder keeps steps 1-2, whose samples are checked token by token below
-    code, log = run_quickstart(out, [f"loop.num_steps={steps}", f"loop.eval_every={steps}",
-                                     "logging.record_wire=true", "logging.record_steps=[1, 2]"],
-                               timeout_s=1700)
+    code, log = run_quickstart(out, SHORT, timeout_s=540)
     assert code == 0, why_it_failed(log)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    # The warm start stopped at its first check that reached the target, or at its cap, and said so.
+    # The warm start stopped at its first check that reached the target, or at its cap, saying which.
     sft = [r for r in rows if r["kind"] == "sft"]
     checks = [(r["step"], r["sft/heldout_pass@1"]) for r in sft if "sft/heldout_pass@1" in r]
     end = sft[-1]
-    target = recipe.sft.until_heldout
-    assert all(s >= recipe.sft.check_from and s % recipe.sft.check_every == 0 for s, _ in checks), checks
+    target = 0.01
+    assert [s for s, _ in checks] in ([10], [10, 20]), checks
     assert all(p < target for _, p in checks[:-1]), checks
-    if checks and checks[-1][1] >= target:
+    if checks[-1][1] >= target:
         assert end["sft/stop"].endswith(">= sft.until_heldout") and end["sft/steps"] == checks[-1][0], end
     else:
-        assert end["sft/stop"] == f"sft.steps = {recipe.sft.steps}" and end["sft/steps"] == recipe.sft.steps, end
-    assert f"warm start step {checks[-1][0]}" in log if checks else True
+        assert end["sft/stop"] == f"sft.steps = {SFT_CAP}" and end["sft/steps"] == SFT_CAP, end
 
     evals = {r["step"]: r for r in rows if r["kind"] == "eval"}
     assert sorted(evals) == [0, steps], evals
-    for e in evals.values():   # pass@1 of 4 samples per prompt at the rollout's temperature
-        assert e["eval/k"] == recipe.eval.samples_per_prompt >= 4 and e["eval/n"] == recipe.eval.n_prompts, e
-    start, final = evals[0]["eval/pass@1"], evals[steps]["eval/pass@1"]
-    if end["sft/stop"].endswith(">= sft.until_heldout"):
-        assert final >= start + HEADROOM_SHARE * (1 - start), (start, final)
-    else:   # the cap: the warm start never reached the target, so RL had little to start from
-        assert final >= start - 0.1, (start, final)
+    for e in evals.values():   # pass@1 of the recipe's 4 samples per prompt
+        assert e["eval/k"] == recipe.eval.samples_per_prompt >= 4 and e["eval/n"] == 8, e
+        assert 0.0 <= e["eval/pass@1"] <= 1.0
 
     train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
     assert [r["step"] for r in train] == list(range(1, steps + 1))
@@ -174,9 +163,14 @@ def test_agent_quickstart_learns_from_its_warm_start_and_its_samples_are_exact(t
     diffs = [(r["batch/staleness_avg"], r["train/train_rollout_logprob_abs_diff"]) for r in train]
     fresh = [d for lag, d in diffs if lag == 0]
     assert fresh and max(fresh) < 1e-3 and max(d for _, d in diffs) < 0.2, diffs
-    # KL to the warm start (train.use_ref_model): ~0 before the first update, then RL moves away
-    # from it; entropy is logged beside it.
-    assert abs(train[0]["train/ref_kl"]) < 1e-4 and train[-1]["train/ref_kl"] > 0, train
+    # KL to the warm start (train.use_ref_model): ~0 before the first update; after it, > 0 where
+    # an update moved the policy (a group with rewards that differ) and ~0 where none did (a
+    # barely warmed model's groups may all score 0); entropy is logged beside it.
+    kl = [r["train/ref_kl"] for r in train]
+    moved = [r["train/grad_norm"] > 1e-3 for r in train]
+    assert abs(kl[0]) < 1e-4 and all(k > -1e-6 for k in kl), kl
+    for k in range(1, steps):
+        assert (kl[k] > 1e-7) if any(moved[:k]) else (abs(kl[k]) < 1e-6), (k, kl, moved)
     assert all("train/entropy" in r and "train/ppo_kl" in r for r in train)
     # each prompt index is trained once (the buffer's ledger: nothing trained twice)
     trained = [i for r in train for i in r["batch/prompt_indices"]]
@@ -189,7 +183,7 @@ def test_agent_quickstart_learns_from_its_warm_start_and_its_samples_are_exact(t
     assert len(samples) == 2 * recipe.loop.groups_per_step * recipe.rollout.n_samples_per_prompt, len(samples)
     for s in samples:
         asyncio.run(check_sample(s, tokenizer))
-    assert any(len(s.metadata.get("agent", {}).get("answer") or "") == 3 for s in samples)
+    assert all(len(model_spans(s)) >= 1 for s in samples)   # every episode had a model turn
 
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     assert set(trained) <= {e["prompt_index"] for e in episodes if e["decision"] == "keep"}
