@@ -18,7 +18,10 @@ from backend_helpers import run_ranks
 WORKER = Path(__file__).with_name("megatron_algo_worker.py")
 
 
-@pytest.mark.parametrize("layout", ["2,1", "1,2"], ids=["tp2", "pp2"])
+# one layout of each algorithm in CI, the other `extended` (MILES_TEST_EXTENDED=1): the layouts
+# themselves are tests/backends/test_megatron_backend.py's
+@pytest.mark.parametrize("layout", ["2,1", pytest.param("1,2", marks=pytest.mark.extended)],
+                         ids=["tp2", "pp2"])
 def test_megatron_ppo_critic_learns_resumes_and_matches_fsdp(layout, tmp_path):
     ranks = run_ranks(f"ppo:{layout}", tmp_path, world_size=2, timeout_s=400, worker=WORKER)
     r = ranks[0]
@@ -41,7 +44,8 @@ def test_megatron_ppo_critic_learns_resumes_and_matches_fsdp(layout, tmp_path):
     assert ranks[1]["history"] == hist  # every rank reports the same metrics
 
 
-@pytest.mark.parametrize("layout", ["2,1", "1,2"], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [pytest.param("2,1", marks=pytest.mark.extended), "1,2"],
+                         ids=["tp2", "pp2"])
 def test_megatron_opd_reverse_kl_falls_and_sample_teacher_logprobs_match(layout, tmp_path):
     r = run_ranks(f"opd:{layout}", tmp_path, world_size=2, timeout_s=300, worker=WORKER)[0]
     kls = r["kls"]
