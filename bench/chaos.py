@@ -126,8 +126,9 @@ def storm(args) -> None:
         rows.append(row)
         per = row.get("samples_per_prompt") or 1
         print(row_json({"bench": "chaos_storm", "run": r, "seed": args.seed, "targets": case.target,
-                        **{k: row.get(k) for k in FIELDS + ("killed", "longest_gap_s", "hung",
-                                                             "failure", "log", "ledger")},
+                        **{k: row.get(k) for k in FIELDS + ("killed", "recovery_s_each", "heals",
+                                                             "longest_gap_s", "hung", "failure",
+                                                             "log", "ledger")},
                         "prompts_lost": None if row["samples_lost"] is None else row["samples_lost"] / per}),
               flush=True)
     unknown = [r for r in rows if r["samples_lost"] is None or r["trained_twice"] is None]
