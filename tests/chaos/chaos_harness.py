@@ -103,10 +103,8 @@ def engine_restart_sets(kills: int) -> dict:
     ready), a window shorter than the time the harness lets each engine serve (`Case.serve_s`),
     so spread kills are not a crash loop; else a total budget that is big enough."""
     sets = {"engine.max_restarts": kills + 2}
-    # read from the source the run uses, which need not be the one imported here (the [engine]
-    # section moved from miles/rl/config.py to miles/engines/config.py)
-    configs = [SOURCE / "miles" / sub / "config.py" for sub in ("rl", "engines")]
-    if any(f.exists() and "restart_window_s" in f.read_text() for f in configs):
+    # read from the source the run uses, which need not be the one imported here
+    if "restart_window_s" in (SOURCE / "miles" / "rl" / "config.py").read_text():
         sets = {"engine.restart_window_s": 2.0, "engine.max_restarts": 3} if kills > 1 else {}
     return sets
 
