@@ -52,6 +52,7 @@ def main() -> None:
                     "trainer (healed from memory), trainer_x5 (5 heals: the heal-time line), trainer_no_keeper "
                     "(the fallback to disk), evaluator, driver, engine_x10, mixed (ten kills of five kinds in one run), "
                     "engine_side (engine kills during restarts, two of the fleet actor), "
+                    "engine_x5_startup (the engine killed 5 times, 4 during its start-up), "
                     "session_server (default: all)")
     ap.add_argument("--work-dir", default=None, help="keep the runs' output dirs and logs here")
     ap.add_argument("--full", action="store_true", help="every field of each row, log tails included")

@@ -168,6 +168,12 @@ CASES: dict[str, Case] = {c.name: c for c in [
          notes="the engine x5 in quick succession (four of them during start-up, before /health), "
                "then the fleet actor x2 (the second during its own restart); engine.max_restarts "
                "= 5 per 60 s"),
+    # issue 38's start-up crashes: the engine killed, then four more times 0.5 s after each new
+    # engine process appeared (long before /health); the restarts back off 0.5, 1, 2, 4, 8 s
+    Case("engine_x5_startup", "engine*5", kill_at_step=3, kills=1,
+         burst_delay_s={"engine": 0.5},
+         sets={"engine.max_restarts": 5, "engine.restart_window_s": 60.0, "loop.num_steps": 10},
+         notes="the engine x5 in quick succession (four of them during start-up, before /health)"),
     Case("session_server", "session_server", in_loop=False,
          notes="not in this loop: the TITO session server is not part of the RL loop yet"),
 ]}
