@@ -54,12 +54,11 @@ def test_run_survives_ten_kills_of_engines_gateway_rollout_buffer_and_evaluator(
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_run_survives_engine_kills_during_restarts_and_two_kills_of_the_fleet_actor(tmp_path):
-    """Issue 38: the engine killed five times in quick succession, four times during its start-up
-    (before its restarted process answered /health: a restart each, never a fatal error), then
-    the engine fleet actor killed and its next incarnation killed while it relaunched its
-    engines. The run completes with every step trained once."""
+    """Issue 38: the engine killed three times in a row, twice before its restarted process
+    answered /health, then the engine fleet actor killed and its next incarnation killed while it
+    relaunched its engines. The run completes with every step trained once."""
     row = run_case(CASES["engine_side"], tmp_path)
-    assert row.get("killed") == ["engine"] * 5 + ["engines"] * 2, row_json(row)
+    assert row.get("killed") == ["engine"] * 3 + ["engines"] * 2, row_json(row)
     _check(row)
     log = Path(row["log"]).read_text(errors="replace")
     # the fleet came back as a new incarnation that knew its predecessor's generation and version
