@@ -11,13 +11,15 @@ ends the job by design and is resumed with a second `miles run` on the same outp
 What is measured and how "0 samples lost" is counted: tests/chaos/chaos_harness.py.
 
   .venv/bin/python bench/chaos.py [--cases engine,buffer] [--work-dir DIR]
-  .venv/bin/python bench/chaos.py --storm --runs R --kills K --seed S
+  .venv/bin/python bench/chaos.py --storm --runs R --kills K --seed S [--quick]
 
 `--storm`: R runs, each with K kill events of kinds and at step gaps drawn from the seed (every
-kind a run survives without a job restart, bursts that kill a target again during its own
-restart: `chaos_harness.STORM_TARGETS`); one JSON line per run, then one summary line: runs
-completed, prompts lost, prompts trained twice, the longest gap between two steps, and the
-prompt ledger's verdict per run (`miles ledger`: lost and trained twice from the run's files).
+kind a run survives without a job restart, each also as a burst that kills it again during its
+own restart: `chaos_harness.STORM_TARGETS`; each killed role gets a restart budget above its
+deaths; `--quick`: every group kept and a 5-step warm start, as the CI storm runs); one JSON
+line per run, then one summary line: runs completed, prompts lost, prompts trained twice, the
+longest gap between two steps, and the prompt ledger's verdict per run (`miles ledger`: lost and
+trained twice from the run's files alone).
 The trainer cases (trainer, trainer_x5) add a `chaos_heal` line: the heal time's median and p90
 in its parts (detection, restart, restore, first step).
 
@@ -50,6 +52,7 @@ def main() -> None:
                     "trainer (healed from memory), trainer_x5 (5 heals: the heal-time line), trainer_no_keeper "
                     "(the fallback to disk), evaluator, driver, engine_x10, mixed (ten kills of five kinds in one run), "
                     "engine_side (engine kills during restarts, two of the fleet actor), "
+                    "engine_x5_startup (the engine killed 5 times, 4 during its start-up), "
                     "session_server (default: all)")
     ap.add_argument("--work-dir", default=None, help="keep the runs' output dirs and logs here")
     ap.add_argument("--full", action="store_true", help="every field of each row, log tails included")
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--kills", type=int, default=4, help="kill events per storm run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="storm: every group kept and a 5-step warm start (the CI storm's settings)")
     args = ap.parse_args()
     if args.source:  # read by the harness at import
         os.environ["MILES_CHAOS_SOURCE"] = str(Path(args.source).resolve())
@@ -117,19 +122,20 @@ def storm(args) -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="miles_storm_"))
     rows, t0 = [], time.monotonic()
     for r in range(args.runs):
-        case = storm_case(args.seed, r, args.kills)
+        case = storm_case(args.seed, r, args.kills, quick=args.quick)
         row = run_case(case, work)
         rows.append(row)
         per = row.get("samples_per_prompt") or 1
         print(row_json({"bench": "chaos_storm", "run": r, "seed": args.seed, "targets": case.target,
-                        **{k: row.get(k) for k in FIELDS + ("killed", "longest_gap_s", "hung",
-                                                             "failure", "log", "ledger")},
+                        **{k: row.get(k) for k in FIELDS + ("killed", "recovery_s_each", "heals",
+                                                             "longest_gap_s", "hung", "failure",
+                                                             "log", "ledger")},
                         "prompts_lost": None if row["samples_lost"] is None else row["samples_lost"] / per}),
               flush=True)
     unknown = [r for r in rows if r["samples_lost"] is None or r["trained_twice"] is None]
     print(json.dumps({
         "bench": "chaos_storm", "summary": True, "seed": args.seed, "runs": len(rows),
-        "kills_per_run": args.kills, "runs_completed": sum(bool(r["completed"]) for r in rows),
+        "kills_per_run": args.kills, "quick": args.quick, "signals_per_run": [r["kills"] for r in rows], "runs_completed": sum(bool(r["completed"]) for r in rows),
         "prompts_lost": None if unknown else sum(r["samples_lost"] / r["samples_per_prompt"] for r in rows),
         "prompts_trained_twice": None if unknown else sum(r["trained_twice"] for r in rows),
         "longest_gap_s": max((r["longest_gap_s"] or 0.0 for r in rows), default=None),
@@ -137,7 +143,7 @@ def storm(args) -> None:
         "ledger_prompts_lost": sum(r.get("ledger", {}).get("lost", 0) for r in rows),
         "ledger_trained_twice": sum(r.get("ledger", {}).get("trained_twice", 0) for r in rows),
         "signals_sent": sum(r["kills"] for r in rows), "wall_s": round(time.monotonic() - t0, 1),
-        **machine}), flush=True)
+        "load_1m": round(os.getloadavg()[0], 2), **machine}), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos_harness import CASES, RECIPE, row_json, run_case
+from chaos_harness import (CASES, RECIPE, STORM_TARGETS, row_json, run_case, signals_per_target,
+                           storm_case)
 
 
 def _check(row: dict) -> None:
@@ -106,6 +107,53 @@ def test_a_killed_driver_ends_the_job_and_a_second_run_resumes_from_the_checkpoi
     assert any(f"step_{s:06d} at step {s}" in row.get("resumed_from", "")
                for s in (killed_at // every * every, killed_at // every * every - every)), row_json(row)
     _check(row)
+
+
+# The CI storm (issue 38): a seed whose three kill events hit the engine fleet actor twice (the
+# second during its own restart), the trainer rank twice (the second during its heal) and an
+# engine twice (the second before its /health answered). `bench/chaos.py --storm` runs any seed.
+CI_STORM_SEED, CI_STORM_KILLS = 4, 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_short_seeded_storm_of_kills_during_restarts_trains_every_prompt_once(tmp_path):
+    """Six SIGKILLs from three seeded events, each burst killing the target again while it
+    restarts: the run completes in one job, every step trained once, and the prompt ledger proves
+    from the run's files alone that no prompt was lost or trained twice."""
+    case = storm_case(CI_STORM_SEED, 0, CI_STORM_KILLS, quick=True)
+    row = run_case(case, tmp_path)
+    assert sorted(set(row.get("killed", []))) == ["engine", "engines", "trainer/0"], row_json(row)
+    assert row["kills"] == 6, row_json(row)
+    _check(row)
+    assert row["ledger"]["jobs"] == 1 and row["ledger"]["lost"] == 0, row_json(row)
+    assert row["ledger"]["trained_twice"] == 0, row_json(row)
+    log = Path(row["log"]).read_text(errors="replace")
+    assert "restarts the fleet its predecessor ran" in log, log[-4000:]
+    assert "trainer ranks healed from train call" in log and "restarting the job" not in log, log[-4000:]
+
+
+def test_a_storm_is_drawn_from_its_seed_and_budgets_every_death_it_draws():
+    """The same seed gives the same storm (any seed can be checked again); every kind is drawn, each
+    alone and as a burst during its own restart; each killed role gets a restart budget above its
+    deaths, so a storm never ends a job by exhausting the operator's default budget."""
+    from miles.config import load_recipe
+
+    assert storm_case(11, 2, 5).target == storm_case(11, 2, 5).target
+    kinds = {t.partition("*")[0] for t in STORM_TARGETS}
+    assert kinds == {"engine", "engines", "gateway", "rollout", "buffer", "evaluator", "trainer/0"}
+    assert all(f"{k}*2" in STORM_TARGETS for k in kinds), STORM_TARGETS
+    for seed in range(20):
+        case = storm_case(seed, 0, 4, quick=seed % 2 == 0)
+        signals = signals_per_target(case.target.split(","))
+        recipe = load_recipe(str(RECIPE), [f"{k}={v}" for k, v in case.sets.items()])
+        for role, n in signals.items():
+            if role in ("engine", "gateway"):   # the fleet's own budget (engine.max_restarts)
+                assert recipe.engine.max_restarts >= n, (seed, case.target)
+            else:
+                spec = recipe.actors[role.split("/")[0]]
+                assert spec.restart.max_restarts > n, (seed, case.target, role)
+        assert recipe.loop.num_steps >= 4 + 3 * case.kills, (seed, case.target)
 
 
 def test_the_session_server_is_not_in_the_rl_loop_yet():

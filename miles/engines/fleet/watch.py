@@ -88,7 +88,11 @@ class FleetWatch:
                     fresh = await self._launch_engine(slot.index)
                 except Exception as e:  # noqa: BLE001 - a failed start: one more restart
                     slot.last_error = str(e).splitlines()[0]
-                    log.error("engine %d could not be restarted: %s", slot.index, e)
+                    # a restart, not the end: said as such, with the fleet's state (the error
+                    # names the command and its log's last lines)
+                    log.warning("engine %d failed its restart %d; trying again; %d of %d engines "
+                                "serve meanwhile: %s", slot.index, self.restarts,
+                                len(self._serving_urls()), len(self.slots), e)
                     continue
                 slot.engine, slot.ready_at = fresh, time.monotonic()
                 if not self.is_head:  # the head's fleet makes it pending and publishes to it
