@@ -51,6 +51,7 @@ def test_run_survives_ten_kills_of_engines_gateway_rollout_buffer_and_evaluator(
     assert "[buffer] restored from" in log and "resumes from the buffer's journal" in log, log[-4000:]
 
 
+@pytest.mark.extended   # the CI storm below kills the same kinds, during restarts too
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_run_survives_engine_kills_during_restarts_and_two_kills_of_the_fleet_actor(tmp_path):
@@ -66,6 +67,7 @@ def test_run_survives_engine_kills_during_restarts_and_two_kills_of_the_fleet_ac
     assert "did not start" not in log or "FleetError" not in log, log[-4000:]
 
 
+@pytest.mark.extended   # the CI storm below kills the same kinds, during restarts too
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_sigkilled_trainer_rank_is_healed_from_memory_without_a_job_restart(tmp_path):
