@@ -66,6 +66,7 @@ from miles.backends.batch_plan import sample_owners
 from miles.backends.config import trainer_dp_layout
 from miles.rl.heal import MAX_HEALS_PER_CALL, Healer, TrainerDied, gather_or_cancel
 from miles.rl.logger import MetricsLogger
+from miles.rl.provenance import ProvenanceLog, VersionRow
 from miles.rl.sft import EpochLoss, REPRODUCTION_ROWS, reproduction, sft_sample
 from miles.rl.sources import make_source, tokenizer_for
 from miles.runtime import Actor, ActorDied, ActorTimeout, RemoteError
@@ -116,6 +117,9 @@ class LoopDriver(Actor):
     async def run_loop(self) -> int:
         r = self.recipe
         await self.connect()
+        if r.logging.provenance:   # before the first publish: versions.jsonl lists it
+            fresh = not (r.loop.resume and self.latest_checkpoint() is not None)
+            self.provenance = ProvenanceLog(r.output_dir, fresh=fresh)
         step, self.version, data_state, replay = await self.resume_or_warm_start()
         self.log = MetricsLogger(r.output_dir, r.logging, r.loop.num_steps, r.run.name, resume=step > 0)
         for sft_step, metrics in self.sft_records:   # the warm start's, phase "sft"
@@ -131,20 +135,24 @@ class LoopDriver(Actor):
             if self.drain_asked.is_set():
                 return await self.drain(step - 1)
             await self.start_recording(step)
+            self.step = step
             t_wait = time.monotonic()
             try:
                 batch, request_id = await self.next_batch(step)
             except Drained:  # abandoned while it waited for its batch: nothing trained, nothing lost
                 return await self.drain(step - 1)
             t0 = time.monotonic()
-            train_metrics = await self.train([s for g in batch.groups for s in g.samples])
+            samples = [s for g in batch.groups for s in g.samples]
+            train_metrics = await self.train(samples)
             train_s = time.monotonic() - t0
             await self.buffer_call(ConfirmBatch(request_id=request_id, step=step))
+            lineage = self.provenance.write(step, samples) if self.provenance is not None else {}
             self.version += 1
             t_pub = time.monotonic()
             weights = await self.publish(self.version)
             await self.buffer_call(SetVersion(version=self.version))
-            times = {"perf/wait_s": t0 - t_wait, "perf/publish_s": time.monotonic() - t_pub, **weights}
+            times = {"perf/wait_s": t0 - t_wait, "perf/publish_s": time.monotonic() - t_pub, **weights,
+                     **lineage}
             self.log_step(step, self.version, batch, train_metrics, train_s, time.monotonic() - t0, times)
             if r.loop.eval_every and step % r.loop.eval_every == 0 and step < r.loop.num_steps:
                 await self.evaluate(step, self.version, wait=r.loop.mode == "sync")
@@ -210,6 +218,8 @@ class LoopDriver(Actor):
         self.sft_records: list[tuple[int, dict]] = []   # (step, metrics) of the warm start
         self.pending_evals: list[asyncio.Task] = []
         self.ckpt_root = Path(r.output_dir) / "checkpoints"
+        self.provenance: ProvenanceLog | None = None   # logging.provenance (run_loop opens it)
+        self.step = 0                                  # the step in flight (provenance rows)
         if r.logging.record_wire:
             from miles.wire.recorder import WireRecorder
             rt.recorder = WireRecorder(Path(r.output_dir) / "wire" / "driver.mlw",
@@ -368,6 +378,13 @@ class LoopDriver(Actor):
                         break
                     if time.monotonic() > deadline:
                         raise
+        if self.provenance is not None:
+            rank0 = replies[0]
+            self.provenance.version(VersionRow(
+                version=version, step=self.step, time=round(time.time(), 3),
+                transport=self.recipe.weights.transport,
+                digest=getattr(rank0, "weight_digest", ""),
+                engine_digests=dict(getattr(rank0, "engine_digests", {}) or {})))
         if engine_set.generation != self.engine_generation:
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
                                                    version=version), timeout_s=60.0,
