@@ -66,6 +66,7 @@ from miles.backends.batch_plan import sample_owners
 from miles.backends.config import trainer_dp_layout
 from miles.rl.heal import MAX_HEALS_PER_CALL, Healer, TrainerDied, gather_or_cancel
 from miles.rl.logger import MetricsLogger
+from miles.rl.otel import telemetry
 from miles.rl.provenance import ProvenanceLog, VersionRow
 from miles.rl.sft import EpochLoss, REPRODUCTION_ROWS, reproduction, sft_sample
 from miles.rl.sources import make_source, tokenizer_for
@@ -141,7 +142,7 @@ class LoopDriver(Actor):
                 batch, request_id = await self.next_batch(step)
             except Drained:  # abandoned while it waited for its batch: nothing trained, nothing lost
                 return await self.drain(step - 1)
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             samples = [s for g in batch.groups for s in g.samples]
             train_metrics = await self.train(samples)
             train_s = time.monotonic() - t0
@@ -154,6 +155,8 @@ class LoopDriver(Actor):
             times = {"perf/wait_s": t0 - t_wait, "perf/publish_s": time.monotonic() - t_pub, **weights,
                      **lineage}
             self.log_step(step, self.version, batch, train_metrics, train_s, time.monotonic() - t0, times)
+            if self.telemetry.enabled:
+                self.trace_step(step, samples, wall0, wall0 + train_s, wall0 + (t_pub - t0), times)
             if r.loop.eval_every and step % r.loop.eval_every == 0 and step < r.loop.num_steps:
                 await self.evaluate(step, self.version, wait=r.loop.mode == "sync")
             if r.loop.save_every and step % r.loop.save_every == 0:
@@ -168,6 +171,7 @@ class LoopDriver(Actor):
         await self.evaluate(r.loop.num_steps, self.version, wait=True)
         await asyncio.gather(*self.pending_evals)
         png = await asyncio.to_thread(self.log.close, plot=r.logging.plot)  # matplotlib takes ~1 s
+        await asyncio.to_thread(self.telemetry.close)
         print(json.dumps({"done": True, "steps": r.loop.num_steps, "version": self.version,
                           "reward_curve": str(png) if png else None}), flush=True)
         return 0
@@ -219,6 +223,7 @@ class LoopDriver(Actor):
         self.pending_evals: list[asyncio.Task] = []
         self.ckpt_root = Path(r.output_dir) / "checkpoints"
         self.provenance: ProvenanceLog | None = None   # logging.provenance (run_loop opens it)
+        self.telemetry = telemetry(r, "driver")        # logging.otel (NOOP when "none")
         self.step = 0                                  # the step in flight (provenance rows)
         if r.logging.record_wire:
             from miles.wire.recorder import WireRecorder
@@ -480,6 +485,7 @@ class LoopDriver(Actor):
             ckpt = str(path)
 
         async def run() -> None:
+            t_start = time.time()
             try:  # a restarted evaluator gets the request again; any failure skips this point
                 result = await self.evaluator.call(
                     Evaluate(step=step, version=version, checkpoint_dir=ckpt),
@@ -489,6 +495,9 @@ class LoopDriver(Actor):
                              version=version)
                 return
             extra = {"version": result.version, "eval_lag_s": round(result.lag_s, 3)}
+            self.telemetry.span("miles.eval", t_start, time.time(), {
+                "miles.step": step, "miles.policy_version": result.version, "miles.eval.ok": result.ok,
+                **{f"miles.{k}": v for k, v in result.metrics.items()}})
             if result.ok:
                 self.log.log("eval", step, result.metrics, **extra)
             else:
@@ -517,6 +526,20 @@ class LoopDriver(Actor):
         await self.on_all_trainers(SaveCheckpoint(path=str(path), extra_state=extra))
         (path / "loop_state.json").write_text(json.dumps(extra))  # written last: marks it complete
         return path
+
+    def trace_step(self, step: int, samples: list[Sample], start_s: float, trained_s: float,
+                   published_at: float, times: dict[str, float]) -> None:
+        """The step's spans (miles.rl.otel): the step, its train and its weight publish."""
+        t = self.telemetry
+        root = t.span("miles.step", start_s, time.time(), {
+            "miles.step": step, "miles.policy_version": self.version, "miles.step.samples": len(samples),
+            "miles.step.sample_ids": [f"{s.rollout_id}/{s.index}" for s in samples]})
+        t.span("miles.train", start_s, trained_s, {"miles.step": step}, parent=root)
+        t.span("miles.weights.publish", published_at, published_at + times.get("perf/publish_s", 0.0), {
+            "miles.policy_version": self.version, "miles.weights.transport": self.recipe.weights.transport,
+            "miles.weights.stall_s": times.get("weights/stall_s", 0.0),
+            "miles.weights.digest": self.provenance.digests.get(self.version, "") if self.provenance else ""},
+            parent=root)
 
     def log_step(self, step, version, batch, train_metrics, train_s, step_s, times=None) -> None:
         key = self.recipe.train.reward_key

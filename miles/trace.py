@@ -101,7 +101,8 @@ def format_lineage(lin: Lineage, row: LineageRow) -> tuple[str, bool]:
         bad = lin.mismatch(p)
         sp = p.sampling
         if sp:
-            out.append("  sampling   " + " ".join(f"{k}={v:g}" for k, v in sp.items())
+            out.append("  sampling   " + " ".join(f"{k}={int(v) if k == 'seed' else format(v, 'g')}"
+                                                  for k, v in sp.items())
                        + (f"; quant {p.quant_format}" if p.quant_format else ""))
         env = f"{p.env_name} {p.env_version}".strip()
         ver = f"{p.verifier_name} {p.verifier_version}".strip()

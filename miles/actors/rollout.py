@@ -70,6 +70,7 @@ from miles.engines.sampling_params import sampling_params
 from miles.envs.episode import EpisodeEnv, run_episode
 from miles.rl.data import Prompt
 from miles.rl.prompts import prompt_token_ids
+from miles.rl.otel import NOOP, telemetry
 from miles.rl.provenance import Stamper, note_engine
 from miles.rl.rewards import call_off_loop, check_reward, load_function
 from miles.rl.sources import make_source, tokenizer_for
@@ -120,6 +121,7 @@ class RolloutWorker(Actor):
         self._env: EpisodeEnv | None = None
         self.teacher = None                 # a TeacherScorer with [teacher], else None
         self.stamper: Stamper | None = None  # logging.provenance: stamps each finished sample
+        self.telemetry = NOOP                # logging.otel: an episode span per sample
         self.num_experts: int | None = None   # R3: the model's routed experts (the wire dtype)
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
@@ -136,7 +138,8 @@ class RolloutWorker(Actor):
         r = self.recipe
         self.cfg = r.rollout
         self.seed = r.run.seed
-        self.stamper = Stamper(r) if r.logging.provenance else None
+        self.stamper = Stamper(r) if r.logging.provenance or r.logging.otel != "none" else None
+        self.telemetry = telemetry(r, "rollout")
         engines = await self.runtime.ref("engines").call(GetEngines(), timeout_s=r.engine.start_timeout_s)
         self.model_path = engines.model_path
         self.tokenizer = tokenizer_for(self.model_path)
@@ -173,6 +176,7 @@ class RolloutWorker(Actor):
             await self.client.close()
         if self.teacher is not None:
             await self.teacher.close()
+        await asyncio.to_thread(self.telemetry.close)
 
     # ----- control -----------------------------------------------------------------------------
 
@@ -406,6 +410,7 @@ class RolloutWorker(Actor):
             sampling = self.sampling_for(prompt.index, index, attempt)
             for s in samples:
                 self.stamper.stamp(s, sampling, queued_at=queued_at, started_at=started_at)
+                self.telemetry.episode(s)
         for s in samples:
             self.counts["samples"] += 1
             if s.status == "failed":

@@ -81,7 +81,8 @@ class Stamper:
 
     def __init__(self, recipe):
         r = recipe.rollout
-        self.quant_format = str(getattr(getattr(recipe, "quant", None), "rollout", "") or "")
+        # the format the engines hold: a quantized one, else the engines' dtype (unquantized)
+        self.quant_format = recipe.quant.format or recipe.engine.dtype
         self.env_name = r.agent or r.generate or r.function or "single_turn"
         self.env_version = _module_version(self.env_name) or _miles_version()
         self.verifier_name = r.reward

@@ -42,7 +42,7 @@ def test_a_stamp_holds_every_field_the_issue_lists():
     assert (p.engine_id, p.engine_incarnation) == ("127.0.0.1:30001", 4242)
     assert p.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": -1.0, "max_new_tokens": 6.0,
                           "seed": 11.0}
-    assert p.quant_format == "bf16"
+    assert p.quant_format == "float32"   # unquantized: the engines' dtype
     assert (p.session_id, p.sandbox_id, p.image_digest) == ("sess-1", "sb-9", "sha256:abc")
     assert (p.env_name, p.verifier_name) == ("single_turn", "first_answer")
     assert p.reward_components == {"correct": 1.0, "format": 0.5}
@@ -127,3 +127,42 @@ def test_provenance_off_and_a_bad_otel_value_are_recipe_keys():
     assert r.logging.provenance is False and r.logging.otel == "none"
     with pytest.raises(ValueError, match="logging.otel: 'jaeger' is not none, console, file"):
         load_recipe(ROOT / "recipes" / "quickstart.toml", overrides=['logging.otel="jaeger"'])
+
+
+def test_miles_trace_prints_the_lineage_and_flags_a_mismatch(tmp_path, capsys):
+    import msgspec
+    from miles.episodes import EpisodeRecord, ToolCall, Turn
+    from miles.trace import main as trace
+
+    log = ProvenanceLog(tmp_path, fresh=True)
+    log.version(VersionRow(version=3, step=2, time=1.0, digest="a" * 64,
+                           engine_digests={"http://127.0.0.1:30001": "a" * 64,
+                                           "http://127.0.0.1:30002": "b" * 64}))
+    good, bad = stamped(), stamped(i=1)
+    bad.provenance.engine_id = "127.0.0.1:30002"
+    log.write(4, [good, bad])
+    ep = EpisodeRecord(run="t", time=1.0, task="t", prompt_index=7, group_id="g", rollout_id="g-0",
+                       index=0, status="completed", messages=[
+                           Turn(role="user", content="sort 382 ="),
+                           Turn(role="assistant", content="", tool_calls=[
+                               ToolCall(name="bash", arguments="ls")]),
+                           Turn(role="assistant", content="238")])
+    (tmp_path / "episodes.jsonl").write_bytes(msgspec.json.encode(ep) + b"\n")
+
+    assert trace([str(tmp_path), "--sample", "g-0/0"]) == 0
+    out = capsys.readouterr().out
+    for want in ("prompt     7: 'sort 382 ='", "engine     127.0.0.1:30001 (pid 4242), policy version 3",
+                 "weights    digest aaaaaaaaaaaaaaaa", "seed=11", "verifier first_answer",
+                 "tool calls 1", "-> bash(ls)", "'238'", "trained    at step 4"):
+        assert want in out, (want, out)
+    assert trace([str(tmp_path), "--step", "4"]) == 3      # one of the two is a mismatch
+    cap = capsys.readouterr()
+    assert "MISMATCH: engine 127.0.0.1:30002 held weights bbbbbbbbbbbb for version 3, the publisher " \
+           "sent aaaaaaaaaaaa" in cap.out and "1 of 2 samples" in cap.err
+    assert "(not in episodes.jsonl" in cap.out                # g-1 has no transcript
+    assert trace([str(tmp_path), "--prompt", "7", "--json"]) == 3
+    rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert [r["sample"] for r in rows] == ["g-0/0", "g-1/1"] and rows[1]["mismatch"].startswith("MISMATCH")
+    assert trace([str(tmp_path), "--step", "9"]) == 1
+    assert "no trained sample matches --step 9 (2 trained samples" in capsys.readouterr().err
+    assert trace([str(tmp_path / "nope"), "--step", "1"]) == 2
