@@ -66,8 +66,8 @@ from miles.backends.batch_plan import sample_owners
 from miles.backends.config import trainer_dp_layout
 from miles.rl.heal import MAX_HEALS_PER_CALL, Healer, TrainerDied, gather_or_cancel
 from miles.rl.logger import MetricsLogger
-from miles.rl.otel import telemetry
-from miles.rl.provenance import ProvenanceLog, VersionRow
+from miles.rl.otel import step_spans, telemetry
+from miles.rl.provenance import ProvenanceLog
 from miles.rl.sft import EpochLoss, REPRODUCTION_ROWS, reproduction, sft_sample
 from miles.rl.sources import make_source, tokenizer_for
 from miles.runtime import Actor, ActorDied, ActorTimeout, RemoteError
@@ -156,7 +156,8 @@ class LoopDriver(Actor):
                      **lineage}
             self.log_step(step, self.version, batch, train_metrics, train_s, time.monotonic() - t0, times)
             if self.telemetry.enabled:
-                self.trace_step(step, samples, wall0, wall0 + train_s, wall0 + (t_pub - t0), times)
+                step_spans(self.telemetry, step, self.version, samples, wall0, train_s, t_pub - t0,
+                           times, self.recipe.weights.transport, self.provenance)
             if r.loop.eval_every and step % r.loop.eval_every == 0 and step < r.loop.num_steps:
                 await self.evaluate(step, self.version, wait=r.loop.mode == "sync")
             if r.loop.save_every and step % r.loop.save_every == 0:
@@ -384,12 +385,7 @@ class LoopDriver(Actor):
                     if time.monotonic() > deadline:
                         raise
         if self.provenance is not None:
-            rank0 = replies[0]
-            self.provenance.version(VersionRow(
-                version=version, step=self.step, time=round(time.time(), 3),
-                transport=self.recipe.weights.transport,
-                digest=getattr(rank0, "weight_digest", ""),
-                engine_digests=dict(getattr(rank0, "engine_digests", {}) or {})))
+            self.provenance.published(version, self.step, self.recipe.weights.transport, replies[0])
         if engine_set.generation != self.engine_generation:
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
                                                    version=version), timeout_s=60.0,
@@ -526,20 +522,6 @@ class LoopDriver(Actor):
         await self.on_all_trainers(SaveCheckpoint(path=str(path), extra_state=extra))
         (path / "loop_state.json").write_text(json.dumps(extra))  # written last: marks it complete
         return path
-
-    def trace_step(self, step: int, samples: list[Sample], start_s: float, trained_s: float,
-                   published_at: float, times: dict[str, float]) -> None:
-        """The step's spans (miles.rl.otel): the step, its train and its weight publish."""
-        t = self.telemetry
-        root = t.span("miles.step", start_s, time.time(), {
-            "miles.step": step, "miles.policy_version": self.version, "miles.step.samples": len(samples),
-            "miles.step.sample_ids": [f"{s.rollout_id}/{s.index}" for s in samples]})
-        t.span("miles.train", start_s, trained_s, {"miles.step": step}, parent=root)
-        t.span("miles.weights.publish", published_at, published_at + times.get("perf/publish_s", 0.0), {
-            "miles.policy_version": self.version, "miles.weights.transport": self.recipe.weights.transport,
-            "miles.weights.stall_s": times.get("weights/stall_s", 0.0),
-            "miles.weights.digest": self.provenance.digests.get(self.version, "") if self.provenance else ""},
-            parent=root)
 
     def log_step(self, step, version, batch, train_metrics, train_s, step_s, times=None) -> None:
         key = self.recipe.train.reward_key

@@ -28,6 +28,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,22 @@ class Telemetry:
     def close(self) -> None:
         self.provider.force_flush(10_000)
         self.provider.shutdown()
+
+
+def step_spans(t: "Telemetry", step: int, version: int, samples: list, start_s: float, train_s: float,
+               publish_at_s: float, times: dict[str, float], transport: str, provenance=None) -> None:
+    """The driver's spans of one RL step: the step, its train and its weight publish (offsets in
+    seconds from `start_s`, the step's wall-clock start)."""
+    root = t.span("miles.step", start_s, time.time(), {
+        "miles.step": step, "miles.policy_version": version, "miles.step.samples": len(samples),
+        "miles.step.sample_ids": [f"{s.rollout_id}/{s.index}" for s in samples]})
+    t.span("miles.train", start_s, start_s + train_s, {"miles.step": step}, parent=root)
+    t0 = start_s + publish_at_s
+    t.span("miles.weights.publish", t0, t0 + times.get("perf/publish_s", 0.0), {
+        "miles.policy_version": version, "miles.weights.transport": transport,
+        "miles.weights.stall_s": times.get("weights/stall_s", 0.0),
+        "miles.weights.digest": provenance.digests.get(version, "") if provenance is not None else ""},
+        parent=root)
 
 
 def _turns(sample) -> list[tuple[str, list[str]]]:

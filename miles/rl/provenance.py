@@ -192,6 +192,12 @@ class ProvenanceLog:
         self.engine_digests[row.version] = {engine_key(u): d for u, d in row.engine_digests.items()}
         _append(self.versions_path, self._enc.encode(row) + b"\n")
 
+    def published(self, version: int, step: int, transport: str, reply) -> None:
+        """Rank 0's `Published` answer for `version` (its digests, where computed)."""
+        self.version(VersionRow(version=version, step=step, time=round(time.time(), 3),
+                                transport=transport, digest=getattr(reply, "weight_digest", ""),
+                                engine_digests=dict(getattr(reply, "engine_digests", {}) or {})))
+
     def write(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """Append the step's trained samples; returns the step's `provenance/...` metrics."""
         lines, mismatched = [], 0
