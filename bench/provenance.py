@@ -18,6 +18,12 @@ Prints one JSON line:
 - `bytes_per_sample_wire`: the median msgpack size of a Provenance record (what it adds to a
   Sample on the wire and in the buffer journal); `_jsonl`: of its provenance.jsonl line.
 - Same-run baseline: "off" is measured in the same invocation, on the same machine.
+- On a loaded 2-core host the runs' medians move by tens of percent from run to run (other
+  jobs), far more than the record costs; so the line also has the work itself, timed in this
+  process: `stamp_us` (the rollout's stamp of one sample) and `log_us` (the driver's
+  provenance.jsonl row of one sample), medians of 2000, and `cpu_frac_of_step` = (stamp + log)
+  x samples per step / the off variant's median step time: the share of a step they add, CPU
+  time with nothing overlapped (an upper bound; the stamp runs in the rollout process).
 
 Usage: .venv/bin/python bench/provenance.py [--steps 20] [--order off,on,otel,otel,on,off]
 """
@@ -84,11 +90,43 @@ def run(variant: str, steps: int, out: Path, otlp: str) -> dict:
             "period_s": [b - a for a, b in zip(times, times[1:])]}
 
 
+def micro(n: int = 2000) -> dict:
+    """Per-sample CPU time of the stamp and of the lineage row (see the module docstring)."""
+    import time
+    import numpy as np
+    from miles.config import load_recipe
+    from miles.engines.sampling_params import sampling_params
+    from miles.rl.provenance import ProvenanceLog, Stamper, note_engine
+    from miles.wire.messages import Sample, VersionSpan
+
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.toml")
+    stamper, sampling = Stamper(recipe), sampling_params(recipe.rollout, 7)
+    samples = [Sample(tokens=np.arange(20, dtype=np.int32), response_length=6, reward=1.0,
+                      status="completed", weight_versions=[VersionSpan(3, 0, 6)], group_id="g",
+                      rollout_id=f"g-{i}", index=i, metadata={"prompt_index": i}) for i in range(n)]
+    t = time.perf_counter()
+    for s in samples:
+        note_engine(s, {"engine_id": "127.0.0.1:30000", "engine_incarnation": 1})
+        stamper.stamp(s, sampling, queued_at=1.0, started_at=2.0)
+    stamp = (time.perf_counter() - t) / n
+    with tempfile.TemporaryDirectory() as tmp:
+        log = ProvenanceLog(tmp, fresh=True)
+        t = time.perf_counter()
+        for i in range(0, n, 64):
+            log.write(1, samples[i:i + 64])
+        write = (time.perf_counter() - t) / n
+    return {"stamp_us": round(stamp * 1e6, 2), "log_us": round(write * 1e6, 2)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--order", default="off,on,otel,otel,on,off")
+    p.add_argument("--micro-only", action="store_true", help="only the in-process per-sample timings")
     a = p.parse_args()
+    if a.micro_only:
+        print(json.dumps({"bench": "provenance", **micro(), "machine": machine()}), flush=True)
+        return
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     otlp = f"http://127.0.0.1:{server.server_address[1]}"
@@ -109,7 +147,13 @@ def main() -> None:
                         jsonl.append(len(line) + 1)
     server.shutdown()
     med = {v: {k: round(statistics.median(x), 4) for k, x in d.items()} for v, d in samples.items()}
-    result = {"bench": "provenance", "steps": a.steps, "order": a.order, "variants": med}
+    result = {"bench": "provenance", "steps": a.steps, "order": a.order, "variants": med,
+              "runs_step_s": {v: [round(statistics.median(d["step_s"][i:i + a.steps]), 3)
+                                  for i in range(0, len(d["step_s"]), a.steps)] for v, d in samples.items()}}
+    work = micro()
+    result.update(work)
+    if "off" in med:   # the quickstart trains 8 groups x 8 samples per step
+        result["cpu_frac_of_step"] = round((work["stamp_us"] + work["log_us"]) * 64e-6 / med["off"]["step_s"], 5)
     if "off" in med and "on" in med:
         result["overhead_step_frac"] = round(med["on"]["step_s"] / med["off"]["step_s"] - 1, 4)
         result["overhead_period_frac"] = round(med["on"]["period_s"] / med["off"]["period_s"] - 1, 4)
