@@ -50,6 +50,9 @@ Prints one JSON line per model:
 - Default: GPU 0 trainer -> GPU 1 engine, NCCL. `--tiny` (the default without 2 GPUs) is the CPU
   smoke test: tiny models, gloo, engine on CPU.
 
+- `--no-rollback` (disk_delta): `weights.rollback = false`, the commit without the fleet
+  transaction (no v-1 kept on the engines); the line's `rollback` says which ran. The stall
+  bound of the transaction (issue 40: <= 1.1x) compares `stall_s` of the two.
 - `--variants 1024:3,1024:3:0`: several (bucket MiB, inflight_buckets[, direct_min_bytes KiB])
   settings timed one after the other against the same engine, one JSON line each; the timeline
   fields say where the time went (`first_post_s`: gather of the first bucket;
@@ -58,6 +61,7 @@ Prints one JSON line per model:
 Usage: .venv/bin/python bench/weights.py [--models qwen2-1.5b,qwen2-7b] [--bucket-mb 1024]
        [--inflight 3] [--direct-kb 8192] [--variants 1024:3,1024:3:0] [--rounds 3] [--tiny]
        [--no-check] [--no-delta] [--transport nccl|colocated|disk|disk_delta] [--colocated-buckets]
+       [--no-rollback]
        [--batch-below-kb 1024,0]
        [--budget-s 80]
 """
@@ -399,6 +403,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                             queue_depth=args.queue_depth, inflight_buckets=variants[0][1],
                             direct_min_bytes=variants[0][2], connect_timeout_s=300,
                             colocated_direct=not args.colocated_buckets, delta_threads=args.delta_threads,
+                            rollback=not args.no_rollback,
                             disk_dir=str(work / "disk") if kind in ("disk", "disk_delta") else "")
         transport = make_transport(cfg, rank=0)
         publisher = WeightPublisher(cfg, [engine.url], transport)
@@ -467,6 +472,7 @@ async def bench_model(name: str, args, work: Path) -> list[dict]:
                 "payload_bytes": report.payload_bytes, "machine": machine(),
                 "delta_frac": report.payload_bytes / report.bytes if kind == "disk_delta" else None,
                 "changed_frac": report.changed_frac, **decode,
+                "rollback": cfg.rollback if kind == "disk_delta" else None,
                 "paused_s": statistics.median(paused),
                 "bucket_bytes": vb, "inflight_buckets": vi, "buckets": math.ceil(nbytes / vb),
                 "direct_min_bytes": vd, "direct_tensors": direct, "publish_s_all": pub_s,
@@ -538,6 +544,9 @@ def main() -> None:
     p.add_argument("--engine-device", default=None)
     p.add_argument("--delta-threads", type=int, default=min(16, os.cpu_count() or 2))
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--no-rollback", action="store_true",
+                   help="disk_delta: weights.rollback = false (engines keep no v-1: today's one-phase "
+                        "commit, the baseline of the fleet transaction's stall)")
     p.add_argument("--no-delta", action="store_true")
     p.add_argument("--budget-s", type=float, default=None,
                    help="the delta's encode stops at a tensor boundary past this (0: no limit; "

@@ -2,7 +2,8 @@
 `miles replay runs/<name>/wire/driver.mlw [--step N] [--resend URL]` (see `miles/replay.py`),
 `miles dashboard RUN`, `miles status RUN`, `miles logs RUN ACTOR`, `miles episodes RUN`,
 `miles ledger RUN` (see
-`miles/ops_cli.py`),
+`miles/ops_cli.py`), `miles trace RUN --sample ID | --step N | --prompt ID` (a sample's lineage,
+see `miles/trace.py`),
 `miles plan recipe.toml [--gpus N] [--model-size S]` (a capacity model, see `miles/plan.py`).
 
 Both commands run the same checks first (`load_recipe`, then `check_recipe`): a broken recipe ends
@@ -40,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("logs", help="an actor's log: miles logs runs/<name> ACTOR [-n N] [-f]")
     sub.add_parser("episodes", help="episode transcripts: miles episodes runs/<name> [--step N] "
                                     "[--reward R] [--task ID] [-n K]")
+    sub.add_parser("trace", help="a trained sample's lineage (engine, version, weight digest, turns, "
+                                 "reward, step): miles trace runs/<name> --sample ID | --step N | --prompt ID")
     sub.add_parser("plan", help="predict step time, idle and staleness: miles plan recipe.toml --gpus N")
     return p
 
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in ("dashboard", "status", "logs", "episodes", "ledger"):
         from miles.ops_cli import COMMANDS
         return COMMANDS[argv[0]](argv[1:])
+    if argv[:1] == ["trace"]:
+        from miles.trace import main as trace_main
+        return trace_main(argv[1:])
     if argv[:1] == ["plan"]:
         from miles.plan import main as plan_main
         return plan_main(argv[1:])

@@ -66,6 +66,8 @@ from miles.backends.batch_plan import sample_owners
 from miles.backends.config import trainer_dp_layout
 from miles.rl.heal import MAX_HEALS_PER_CALL, Healer, TrainerDied, gather_or_cancel
 from miles.rl.logger import MetricsLogger
+from miles.rl.otel import step_spans, telemetry
+from miles.rl.provenance import ProvenanceLog
 from miles.rl.sft import EpochLoss, REPRODUCTION_ROWS, reproduction, sft_sample
 from miles.rl.sources import make_source, tokenizer_for
 from miles.runtime import Actor, ActorDied, ActorTimeout, RemoteError
@@ -116,6 +118,9 @@ class LoopDriver(Actor):
     async def run_loop(self) -> int:
         r = self.recipe
         await self.connect()
+        if r.logging.provenance:   # before the first publish: versions.jsonl lists it
+            fresh = not (r.loop.resume and self.latest_checkpoint() is not None)
+            self.provenance = ProvenanceLog(r.output_dir, fresh=fresh)
         step, self.version, data_state, replay = await self.resume_or_warm_start()
         self.log = MetricsLogger(r.output_dir, r.logging, r.loop.num_steps, r.run.name, resume=step > 0)
         for sft_step, metrics in self.sft_records:   # the warm start's, phase "sft"
@@ -131,21 +136,28 @@ class LoopDriver(Actor):
             if self.drain_asked.is_set():
                 return await self.drain(step - 1)
             await self.start_recording(step)
+            self.step = step
             t_wait = time.monotonic()
             try:
                 batch, request_id = await self.next_batch(step)
             except Drained:  # abandoned while it waited for its batch: nothing trained, nothing lost
                 return await self.drain(step - 1)
-            t0 = time.monotonic()
-            train_metrics = await self.train([s for g in batch.groups for s in g.samples])
+            t0, wall0 = time.monotonic(), time.time()
+            samples = [s for g in batch.groups for s in g.samples]
+            train_metrics = await self.train(samples)
             train_s = time.monotonic() - t0
             await self.buffer_call(ConfirmBatch(request_id=request_id, step=step))
+            lineage = self.provenance.write(step, samples) if self.provenance is not None else {}
             self.version += 1
             t_pub = time.monotonic()
             weights = await self.publish(self.version)
             await self.buffer_call(SetVersion(version=self.version))
-            times = {"perf/wait_s": t0 - t_wait, "perf/publish_s": time.monotonic() - t_pub, **weights}
+            times = {"perf/wait_s": t0 - t_wait, "perf/publish_s": time.monotonic() - t_pub, **weights,
+                     **lineage}
             self.log_step(step, self.version, batch, train_metrics, train_s, time.monotonic() - t0, times)
+            if self.telemetry.enabled:
+                step_spans(self.telemetry, step, self.version, samples, wall0, train_s, t_pub - t0,
+                           times, self.recipe.weights.transport, self.provenance)
             if r.loop.eval_every and step % r.loop.eval_every == 0 and step < r.loop.num_steps:
                 await self.evaluate(step, self.version, wait=r.loop.mode == "sync")
             if r.loop.save_every and step % r.loop.save_every == 0:
@@ -160,6 +172,7 @@ class LoopDriver(Actor):
         await self.evaluate(r.loop.num_steps, self.version, wait=True)
         await asyncio.gather(*self.pending_evals)
         png = await asyncio.to_thread(self.log.close, plot=r.logging.plot)  # matplotlib takes ~1 s
+        await asyncio.to_thread(self.telemetry.close)
         print(json.dumps({"done": True, "steps": r.loop.num_steps, "version": self.version,
                           "reward_curve": str(png) if png else None}), flush=True)
         return 0
@@ -210,6 +223,9 @@ class LoopDriver(Actor):
         self.sft_records: list[tuple[int, dict]] = []   # (step, metrics) of the warm start
         self.pending_evals: list[asyncio.Task] = []
         self.ckpt_root = Path(r.output_dir) / "checkpoints"
+        self.provenance: ProvenanceLog | None = None   # logging.provenance (run_loop opens it)
+        self.telemetry = telemetry(r, "driver")        # logging.otel (NOOP when "none")
+        self.step = 0                                  # the step in flight (provenance rows)
         if r.logging.record_wire:
             from miles.wire.recorder import WireRecorder
             rt.recorder = WireRecorder(Path(r.output_dir) / "wire" / "driver.mlw",
@@ -368,6 +384,8 @@ class LoopDriver(Actor):
                         break
                     if time.monotonic() > deadline:
                         raise
+        if self.provenance is not None:
+            self.provenance.published(version, self.step, self.recipe.weights.transport, replies[0])
         if engine_set.generation != self.engine_generation:
             await self.engines.call(EnginesUpdated(generation=engine_set.generation,
                                                    version=version), timeout_s=60.0,
@@ -463,6 +481,7 @@ class LoopDriver(Actor):
             ckpt = str(path)
 
         async def run() -> None:
+            t_start = time.time()
             try:  # a restarted evaluator gets the request again; any failure skips this point
                 result = await self.evaluator.call(
                     Evaluate(step=step, version=version, checkpoint_dir=ckpt),
@@ -472,6 +491,9 @@ class LoopDriver(Actor):
                              version=version)
                 return
             extra = {"version": result.version, "eval_lag_s": round(result.lag_s, 3)}
+            self.telemetry.span("miles.eval", t_start, time.time(), {
+                "miles.step": step, "miles.policy_version": result.version, "miles.eval.ok": result.ok,
+                **{f"miles.{k}": v for k, v in result.metrics.items()}})
             if result.ok:
                 self.log.log("eval", step, result.metrics, **extra)
             else:

@@ -88,6 +88,11 @@ from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, GetB
                                  ReleaseSlot, Reservation, Reserve, RolloutResume, SetVersion,
                                  StartJob)
 
+# The buffer journal's format (miles.wire.journal.JournalFormat): 2 = samples carry a
+# `provenance` record. Format 1 files (no header) read as they are: the field is None there.
+JOURNAL_FORMAT = 2
+
+
 @dataclass
 class Decision:
     action: str          # "keep" | "retry" | "drop" | "stale"
@@ -214,7 +219,7 @@ class Buffer(Actor):
     # ----- the journal -------------------------------------------------------------------------
 
     def open_journal(self, path: Path, restore: bool) -> None:
-        self.journal = Journal(path)
+        self.journal = Journal(path, "buffer", JOURNAL_FORMAT)
         if not restore:
             self.journal.remove()
             return

@@ -60,7 +60,7 @@ class Ledger:
     """The buffer's writer of the ledger file."""
 
     def __init__(self, path: str | Path):
-        self.journal = Journal(path)
+        self.journal = Journal(path, "ledger", 1)
         self.job = max((r.job for r in self.records() if isinstance(r, LedgerJob)), default=0)
 
     def records(self) -> list[Message]:

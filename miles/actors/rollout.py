@@ -70,6 +70,8 @@ from miles.engines.sampling_params import sampling_params
 from miles.envs.episode import EpisodeEnv, run_episode
 from miles.rl.data import Prompt
 from miles.rl.prompts import prompt_token_ids
+from miles.rl.otel import NOOP, telemetry
+from miles.rl.provenance import Stamper, note_engine
 from miles.rl.rewards import call_off_loop, check_reward, load_function
 from miles.rl.sources import make_source, tokenizer_for
 from miles.runtime import Actor
@@ -118,6 +120,8 @@ class RolloutWorker(Actor):
         self._loop_task: asyncio.Task | None = None
         self._env: EpisodeEnv | None = None
         self.teacher = None                 # a TeacherScorer with [teacher], else None
+        self.stamper: Stamper | None = None  # logging.provenance: stamps each finished sample
+        self.telemetry = NOOP                # logging.otel: an episode span per sample
         self.num_experts: int | None = None   # R3: the model's routed experts (the wire dtype)
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
@@ -134,6 +138,8 @@ class RolloutWorker(Actor):
         r = self.recipe
         self.cfg = r.rollout
         self.seed = r.run.seed
+        self.stamper = Stamper(r) if r.logging.provenance or r.logging.otel != "none" else None
+        self.telemetry = telemetry(r, "rollout")
         engines = await self.runtime.ref("engines").call(GetEngines(), timeout_s=r.engine.start_timeout_s)
         self.model_path = engines.model_path
         self.tokenizer = tokenizer_for(self.model_path)
@@ -170,6 +176,7 @@ class RolloutWorker(Actor):
             await self.client.close()
         if self.teacher is not None:
             await self.teacher.close()
+        await asyncio.to_thread(self.telemetry.close)
 
     # ----- control -----------------------------------------------------------------------------
 
@@ -384,8 +391,10 @@ class RolloutWorker(Actor):
                         prompt=prompt.prompt, label=prompt.label,
                         metadata={**prompt.metadata, "retries": attempt, "prompt_index": prompt.index})
         seed = sample_seed(self.seed, prompt.index, index, attempt)
+        queued_at = time.time()
         async with self.semaphore:
             self._busy(+1)
+            started_at = time.time()
             try:
                 samples = await run_episode(self.env, sample, self.sampling_for(prompt.index, index, attempt),
                                             generate=lambda ctx, s: self._generate_retrying(s, seed),
@@ -397,6 +406,11 @@ class RolloutWorker(Actor):
                 self._busy(-1)
             if self.teacher is not None:
                 await asyncio.gather(*(self._teacher_score(s) for s in samples if s.status != "failed"))
+        if self.stamper is not None:
+            sampling = self.sampling_for(prompt.index, index, attempt)
+            for s in samples:
+                self.stamper.stamp(s, sampling, queued_at=queued_at, started_at=started_at)
+                self.telemetry.episode(s)
         for s in samples:
             self.counts["samples"] += 1
             if s.status == "failed":
@@ -495,6 +509,8 @@ class RolloutWorker(Actor):
         sample.rollout_logprobs = (np.asarray(result.output_logprobs, np.float32)
                                    if result.output_logprobs is not None else None)
         sample.weight_versions = result.version_spans()
+        if self.stamper is not None:
+            note_engine(sample, result.meta_info)
         if result.routed_experts is not None:
             sample.routed_experts = np.ascontiguousarray(result.routed_experts, np.int32)
         sample.response = self.tokenizer.decode(out.tolist(), skip_special_tokens=True)

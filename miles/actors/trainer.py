@@ -198,7 +198,9 @@ class Trainer(Actor):
                         report = self.publisher.last_report if self.publisher is not None else None
                         return Published(detail=f"version {version}" + (
                             f"; dropped dead engines {dropped}" if dropped else ""),
-                            metrics=report.metrics() if report is not None else {})
+                            metrics=report.metrics() if report is not None else {},
+                            weight_digest=report.digest if report is not None else "",
+                            engine_digests=dict(report.engine_digests) if report is not None else {})
                 if verdict[0] == "fail":
                     raise RuntimeError(verdict[1])
                 log.warning("publish of version %d failed (%s); engines %s do not answer: publishing "

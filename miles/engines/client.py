@@ -514,9 +514,9 @@ class EngineClient:
         return await self._post("/update_weight_version", {"new_version": str(new_version),
                                                            "abort_all_requests": abort_all_requests})
 
-    async def update_weights_from_delta(self, phase: Literal["prepare", "apply", "discard"],
+    async def update_weights_from_delta(self, phase: Literal["prepare", "apply", "discard", "rollback"],
                                         path: str = "", *, weight_version: str | int | None = None,
-                                        threads: int | None = None,
+                                        threads: int | None = None, keep_previous: bool = False,
                                         timeout_s: float | None = None) -> dict:
         """Embedded-engine extension (disk-delta updates): `prepare` decodes and verifies the delta
         at `path` while generation continues (on `threads` threads); `apply` swaps it in;
@@ -526,6 +526,8 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         if threads is not None:
             body["threads"] = threads
+        if keep_previous:   # the previous version stays for `rollback` (fleet-atomic commits)
+            body["keep_previous"] = True
         return await self._post("/update_weights_from_delta", body, retry=False,
                                 timeout_s=self.weight_update_timeout_s if timeout_s is None else timeout_s)
 

@@ -326,6 +326,7 @@ async def run_episode(env: EpisodeEnv, sample: Sample, sampling, *, generate: Ge
         if sandbox is not None and sandbox.created:   # the episode store shows it
             for s in samples:
                 s.metadata.setdefault("sandbox_id", sandbox.id)
+                s.metadata.setdefault("sandbox_image", spec.image or "")   # provenance
     finally:
         if sandbox is not None:
             await sandbox.destroy()

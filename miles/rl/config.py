@@ -198,3 +198,18 @@ class LoggingConfig(Section):
     episodes_max_mb: Annotated[float, Meta(gt=0.0)] = 256.0
     # keep 1 in k successful episodes (reward > 0); every failed or zero-reward one is kept
     episodes_keep_success: Positive = 1
+    # stamp every sample with its provenance (engine, version, weight digest, sampling, sandbox,
+    # env and verifier, reward components, timestamps; docs/provenance.md) and write the trained
+    # ones to <output_dir>/provenance.jsonl for `miles trace`
+    provenance: bool = True
+    # OpenTelemetry spans (docs/provenance.md): "none" (opentelemetry is not even imported),
+    # "console", "file" (<output_dir>/otel_spans.jsonl) or an OTLP/HTTP endpoint URL
+    # (http://host:4318, spans go to its /v1/traces); needs the `otel` extra
+    otel: str = "none"
+    # the fraction of traces (one per RL step, one per episode) whose spans are exported
+    otel_sample_rate: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
+
+    def __post_init__(self) -> None:
+        if self.otel not in ("none", "console", "file") and not self.otel.startswith(("http://", "https://")):
+            raise ValueError(f"logging.otel: {self.otel!r} is not none, console, file or an "
+                             f"http(s):// OTLP endpoint URL")

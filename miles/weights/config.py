@@ -82,6 +82,12 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     delta_chunk_bytes: int = 64 << 20    # compressed independently (parallel, bounded memory)
     # threads that encode and decode disk_delta chunks
     delta_threads: int = 4
+    # disk_delta: a fleet transaction. Each engine keeps the version it replaces for one version
+    # (host memory: one more copy of the changed tensors, copied while it prepares, off the
+    # swap's lock), so a commit that fails on some engines is rolled back on the others: all
+    # engines switch to v, or all stay on v-1 (docs/provenance.md). false: no copy kept, and a
+    # partial commit leaves the fleet mixed until the next publish (written raw)
+    rollback: bool = True
 
     def __post_init__(self) -> None:
         _choice("transport", self.transport, TRANSPORTS)

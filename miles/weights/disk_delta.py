@@ -8,6 +8,8 @@ Flow of one publish (the publisher drives it; the engines never stop generating)
                  memory)                                                 engines serving
     commit       every engine swaps the staged tensors in between two scheduler steps and sets
                  the version with them                                   engines serving
+    [rollback]   an engine's apply failed: the engines that applied put the previous version
+                 back (kept by their prepare), so the fleet is on v-1 again, all of it
 
 Design decisions:
 - No pause (`traits.pauses_engines = False`, and the publisher pauses such a transport never):
@@ -25,6 +27,12 @@ Design decisions:
   Host memory: two copies of the model while a publish is in flight (base + new).
 - The base only moves forward when every engine has committed: a refused or failed `prepare`
   leaves every engine on the old version, so the next delta is again against it.
+- A fleet transaction (`weights.rollback`, default on): a version is committed on every engine
+  or on none. `prepare` asks each engine to keep the bytes it replaces (`keep_previous`); if
+  `apply` fails on any engine, the others roll back to v-1 and the publish fails naming both,
+  and the base stays v-1 (the next delta is against it). Only when a rollback fails too (the
+  engine died) is the fleet mixed; the next publish is then written raw, and the trainer drops
+  a dead engine as for any publish.
 - Deltas are in the engines' dtype (read from `/model_info` at connect), because the engine XORs
   against its own bytes; all engines must agree on it. This needs the embedded engine's
   `/update_weights_from_delta` (SGLang has no such endpoint).
@@ -84,6 +92,7 @@ class DiskDeltaTransport(BucketStream):
         self.last_manifest = None
         self.staged_on: list[str] = []  # per engine, from the last prepare: "cuda:0", "cpu"
         self.applied: list[dict] = []   # per engine, from the last commit: swapped, copied, scattered, swap_s
+        self.rolled_back: list[str] = []  # engines put back on v-1 after the last commit failed
 
     def connect(self, engine_urls: list[str]) -> None:
         if not self.traits.sender:
@@ -174,6 +183,7 @@ class DiskDeltaTransport(BucketStream):
         try:
             answers = self._calls.call_all("update_weights_from_delta", "prepare", str(self.delta_dir),
                                            weight_version=str(version), threads=self.cfg.delta_threads,
+                                           keep_previous=self.cfg.rollback,
                                            timeout_s=self.cfg.prepare_timeout_s,
                                            what=f"version {version}: prepare delta {self.delta_dir}")
         except EngineCallError:
@@ -184,16 +194,19 @@ class DiskDeltaTransport(BucketStream):
         log.info("delta v%d prepared; staged on %s", version, ", ".join(self.staged_on))
 
     def commit(self, version: int) -> None:
-        self.applied = []
-        try:
-            answers = self._calls.call_all("update_weights_from_delta", "apply", weight_version=str(version),
-                                           timeout_s=self.cfg.commit_timeout_s,
-                                           what=f"version {version}: apply delta")
-        except EngineCallError:
-            # Some engines may have swapped, some not: the next publish is written raw.
-            self._base, self._base_sha, self._base_version = {}, {}, None
-            self._discard()
-            raise
+        self.applied, self.rolled_back = [], []
+        what = f"version {version}: apply delta"
+        futures = self._calls.submit_all("update_weights_from_delta", "apply", weight_version=str(version),
+                                         timeout_s=self.cfg.commit_timeout_s)
+        answers, failed = [], []
+        for i, fut in enumerate(futures):
+            try:
+                answers.append(self._calls.wait([fut], what, self.cfg.commit_timeout_s, indices=[i])[0])
+            except EngineCallError as e:
+                answers.append(None)
+                failed.append(e)
+        if failed:
+            self._abort_commit(version, answers, failed)
         retired = self._base
         self._base, self._base_sha, self._base_version = self._next, self._next_sha, version
         self._next, self._next_sha = {}, {}
@@ -205,6 +218,30 @@ class DiskDeltaTransport(BucketStream):
         log.info("delta v%d applied while serving: %s", version, "; ".join(
             f"{a.get('swapped')} swapped, {a.get('copied')} copied, {a.get('scattered')} scattered in "
             f"{1e3 * float(a.get('swap_s') or 0.0):.1f} ms" for a in self.applied))
+
+    def _abort_commit(self, version: int, answers: list, failed: list[EngineCallError]) -> None:
+        """Some engines did not apply `version`: roll the others back to v-1, or (no rollback,
+        or it failed) leave the fleet mixed and write the next version raw. Always raises."""
+        applied = [i for i, a in enumerate(answers) if a is not None]
+        urls = self._calls.engine_urls
+        cause = "; ".join(str(e) for e in failed)
+        self._next, self._next_sha = {}, {}
+        self._discard()
+        if applied and self.cfg.rollback:
+            try:
+                self._calls.call_all("update_weights_from_delta", "rollback", weight_version=str(version),
+                                     indices=applied, timeout_s=self.cfg.commit_timeout_s,
+                                     what=f"version {version}: roll back")
+            except EngineCallError as e:
+                self._base, self._base_sha, self._base_version = {}, {}, None
+                raise EngineCallError(f"{cause}; rolling the others back failed too ({e}): the "
+                                      f"fleet is mixed until the next publish (written raw)") from None
+            self.rolled_back = [urls[i] for i in applied]
+            raise EngineCallError(f"{cause}; rolled back on {self.rolled_back}: every engine serves "
+                                  f"version {self._base_version} again")
+        if applied:  # no rollback kept: some engines swapped, some not
+            self._base, self._base_sha, self._base_version = {}, {}, None
+        raise EngineCallError(cause)
 
     def abandon(self, version: int) -> None:
         if self._writer is not None:

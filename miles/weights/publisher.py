@@ -54,6 +54,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -108,6 +109,10 @@ class PublishReport(msgspec.Struct, kw_only=True):
     resume_s: float = 0.0         # /continue_generation on every engine
     background_s: float = 0.0     # disk_delta: transfer + prepare while the engines serve
     changed_frac: float | None = None  # disk_delta: fraction of elements the version changed
+    # provenance (check_weights only): miles.rl.provenance.weights_digest of what was sent, and
+    # of what each engine answered (url -> digest); computed after the engines resumed
+    digest: str = ""
+    engine_digests: dict[str, str] = {}
 
     def metrics(self) -> dict[str, float]:
         """The step metrics of this publish (`weights/...`), as the driver logs them."""
@@ -126,6 +131,8 @@ class WeightPublisher:
             raise ValueError("WeightPublisher: engine_urls is empty")
         self.cfg = config
         self.engine_urls = list(engine_urls)
+        self.engine_digests: dict[str, str] = {}              # check(): url -> digest
+        self.last_digests: tuple[str, dict[str, str]] = ("", {})
         self.transport = transport
         self._clients: list[EngineClient] | None = None
         self._lock = asyncio.Lock()
@@ -240,9 +247,14 @@ class WeightPublisher:
             raise WeightPublishError(f"publish of version {version}: the weights are in, but "
                                      f"{resume_error}", version=version, step="continue")
         check_s = 0.0
+        self.engine_digests = {}
         if cfg.check_weights:
             t = time.perf_counter()
-            await self.check(version)
+            try:
+                await self.check(version)
+            finally:
+                self.last_digests = (_digest(getattr(self.transport, "sent_checksums", {})),
+                                     dict(self.engine_digests))
             check_s = time.perf_counter() - t
         stats = tr.stats
         report = PublishReport(
@@ -251,6 +263,8 @@ class WeightPublisher:
             transfer_s=transfer_s, prepare_s=prepare_s, check_s=check_s, tensors=stats.tensors,
             bytes=stats.bytes, payload_bytes=stats.payload_bytes, buckets=stats.buckets,
             direct_tensors=stats.direct_tensors, checked=cfg.check_weights)
+        if cfg.check_weights:
+            report.digest, report.engine_digests = self.last_digests
         if not pauses:
             report.background_s = transfer_s + prepare_s
         if stats.elements:
@@ -372,6 +386,7 @@ class WeightPublisher:
             raise WeightsMismatch(f"check_weights: version {version}: could not read engine "
                                   f"checksums ({e}); /weights_checksum is an embedded-engine "
                                   "extension") from None
+        self.engine_digests = {url: _digest(engine) for url, engine in zip(self.engine_urls, sums)}
         for url, engine in zip(self.engine_urls, sums):
             compare_checksums(sent, engine, url=url, version=version)
 
@@ -410,6 +425,14 @@ def _stall_parts(report: PublishReport, asked_at: float, paused_at: float, trans
     report.version_s = versioned_at - transferred_at
     report.resume_s = resumed_at - versioned_at
     report.stall_s = resumed_at - asked_at
+
+
+def _digest(checksums: dict[str, str]) -> str:
+    """One digest of a version from its per-parameter checksums, order free (provenance)."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(f"{name}\0{checksums[name]}\n".encode())
+    return h.hexdigest() if checksums else ""
 
 
 def _reason(e: BaseException, timeout_s: float) -> str:

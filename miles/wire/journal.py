@@ -10,6 +10,11 @@ Design decisions:
   stops at the first record whose length or checksum does not match and cuts the file there.
   There is no fsync: the journal is for a killed process, not a lost machine.
 - `rewrite(records)` replaces the file atomically (write a sibling, `os.replace`): compaction.
+- The format carries a number: the first record of a file is a `JournalFormat` (what the file
+  is, its format version). A file without one is format 1 (written before the header existed) and
+  is read as such; a file of a newer format than the reader knows is refused with one line naming
+  the file and both numbers. The owner says which format it writes (`Journal(path, kind, format)`)
+  and reads `journal.format` after `read()` to upgrade old records if it must.
 """
 
 from __future__ import annotations
@@ -23,13 +28,26 @@ from typing import Iterable
 from miles.wire.codec import Codec
 from miles.wire.messages import Message
 
+class JournalFormat(Message):
+    """The first record of a journal file: what it is and its format version."""
+    kind: str
+    format: int
+
+
+class JournalFormatError(ValueError):
+    pass
+
+
 _HEAD = struct.Struct("<II")
 _COUNT = struct.Struct("<I")
 _LEN = struct.Struct("<Q")
 
 
 class Journal:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, kind: str = "", format: int = 0):
+        # kind "" / format 0: a plain reader (any journal, any format) that writes no header
+        self.kind, self.writes_format = kind, format
+        self.format = format        # of the file, as read (1: no header, an old file)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.codec = Codec()
@@ -50,7 +68,9 @@ class Journal:
         or with `cut_torn_tail=False` left there (a reader of a recording changes nothing);
         `torn_at` is the byte offset where it starts, None when there is none."""
         self.torn_at = None
+        self.format = 1
         if not self.path.exists():
+            self.format = self.writes_format or 1
             return []
         data = memoryview(self.path.read_bytes())
         out, pos = [], 0
@@ -65,8 +85,12 @@ class Journal:
                 at += _LEN.size
                 frames.append(bytes(blob[at: at + size]))
                 at += size
-            out.append(self.codec.decode(frames)[1])
+            rec = self.codec.decode(frames)[1]
             pos += _HEAD.size + n
+            if isinstance(rec, JournalFormat):
+                self._check_format(rec)
+                continue
+            out.append(rec)
         if pos < len(data):
             self.torn_at = pos
             if cut_torn_tail:
@@ -74,9 +98,21 @@ class Journal:
                     f.truncate(pos)
         return out
 
+    def _check_format(self, rec: JournalFormat) -> None:
+        if self.kind and (rec.format > self.writes_format or rec.kind != self.kind):
+            raise JournalFormatError(
+                f"{self.path}: a {rec.kind!r} journal of format {rec.format}; this Miles reads "
+                f"{self.kind!r} journals of format <= {self.writes_format} (a newer Miles wrote it)")
+        self.format = rec.format
+
+    def _header(self) -> bytes:
+        return self._encode(JournalFormat(kind=self.kind, format=self.writes_format))
+
     def append(self, msg: Message) -> None:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if self.writes_format and os.fstat(self._fd).st_size == 0:
+                os.write(self._fd, self._header())
         record = memoryview(self._encode(msg))
         while record:
             record = record[os.write(self._fd, record):]
@@ -85,6 +121,8 @@ class Journal:
     def rewrite(self, records: Iterable[Message]) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
+            if self.writes_format:
+                f.write(self._header())
             for msg in records:
                 f.write(self._encode(msg))
         self.close()

@@ -71,6 +71,10 @@ class Published(Ok):
     """A trainer rank's answer to PublishWeights; rank 0's carries the publish's `weights/...`
     metrics (stall time and its parts, PublishReport.metrics)."""
     metrics: dict[str, float] = {}
+    # provenance: the digest of what the trainer sent and of what each engine holds (engine url
+    # -> digest), where the publish computed checksums (weights.check_weights); "" / {} else
+    weight_digest: str = ""
+    engine_digests: dict[str, str] = {}
 
 
 class ShmFree(Message):
@@ -190,6 +194,35 @@ class VersionSpan(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     end: int
 
 
+class Provenance(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Where a sample came from (docs/provenance.md). Compact: positional on the wire, defaults
+    omitted. New fields go at the end with a default, so older records still decode.
+
+    Times are unix seconds. `versions` lists every policy version whose weights made a token
+    (more than one only under the in-place update policy); `trained_step` is set by the driver
+    when the sample is trained (-1: not yet, or never)."""
+    policy_version: int = -1            # the oldest version that made a token (admission's if none)
+    versions: list[int] = []
+    engine_id: str = ""                 # host:port of the engine that answered the last request
+    engine_incarnation: int = 0         # that engine process's id (changes when it restarts)
+    weight_digest: str = ""             # the publisher's digest of policy_version (where known)
+    sampling: dict[str, float] = {}     # temperature, top_p, top_k, max_new_tokens, seed
+    quant_format: str = ""              # the format the engines hold (quant.rollout)
+    routing_digest: str = ""            # R3: sha256 prefix of the routed experts (if any)
+    session_id: str = ""
+    sandbox_id: str = ""
+    image_digest: str = ""
+    env_name: str = ""
+    env_version: str = ""
+    verifier_name: str = ""
+    verifier_version: str = ""
+    reward_components: dict[str, float] = {}
+    queued_at: float = 0.0              # the episode was ready to run (waiting for a slot)
+    started_at: float = 0.0             # its first engine request could go
+    finished_at: float = 0.0            # scored
+    trained_step: int = -1
+
+
 class Sample(Message):
     tokens: np.ndarray                          # int32, prompt + response
     response_length: int = 0
@@ -209,6 +242,7 @@ class Sample(Message):
     label: str | None = None
     response: str = ""                          # decoded response text (for reward functions)
     metadata: dict[str, Any] = {}
+    provenance: Provenance | None = None        # None: rollout.provenance off (or an old record)
 
     RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = ("loss_mask", "rollout_logprobs", "teacher_logprobs")
 

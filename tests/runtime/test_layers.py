@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("parts", ("miles.backends", "miles.engines", "miles.weights", "miles.envs", "miles.sandboxes",
                "miles.tito", "miles.quant", "miles.agentic")),
     ("top", ("miles", "miles.cli", "miles.ops_cli", "miles.plan", "miles.plan_inputs",
-             "miles.recipe_checks", "miles.config_doc", "miles.demo", "miles.replay",
+             "miles.recipe_checks", "miles.config_doc", "miles.demo", "miles.replay", "miles.trace",
              "miles.plugins", "miles.node.__main__")),
 ]
 

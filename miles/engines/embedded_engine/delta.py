@@ -4,6 +4,12 @@
                                                                decode + verify while serving
     {"phase": "apply", "weight_version": "5"}                  swap the prepared weights in
     {"phase": "discard"}                                       drop what was prepared
+    {"phase": "rollback", "weight_version": "5"}              undo apply of v5: back to v4
+
+A prepare with `"keep_previous": true` also keeps the bytes each changed weight has now (the
+version being replaced) on the host; after `apply` they stay for one version (until the next
+prepare), so `rollback` can put the previous version back if the fleet's commit failed elsewhere
+(miles/weights/disk_delta.py: all engines switch, or all stay on v-1).
 
 Answers `{"success", "message", ...}` like SGLang's update endpoints; 400 with the reason when a
 phase is refused. The delta format is miles/weights/delta_format.py. `apply` answers `swapped`,
@@ -54,6 +60,12 @@ Design decisions:
 - Staging costs one copy of the changed tensors (device or host) for as long as the delta is
   prepared; after `apply` the swapped ones are the weights and only the copied ones' staging
   is freed.
+- Rollback (`keep_previous`): the previous bytes are the ones an XOR entry reads anyway; they are
+  copied on the decode threads during `prepare` (off the step lock; the live tensor may be
+  overwritten in place by `apply`), so `apply`'s stall does not change. `rollback` copies them
+  back under the step lock and sets the previous version with them; it is refused once any other
+  update changed the weights after that `apply`. Host memory: one more copy of the changed
+  tensors, for one version.
 """
 
 from __future__ import annotations
@@ -80,10 +92,11 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class DeltaReq(msgspec.Struct):
-    phase: Literal["prepare", "apply", "discard"]
+    phase: Literal["prepare", "apply", "discard", "rollback"]
     path: str = ""
     weight_version: str | None = None
     threads: int = 4  # decode threads (the trainer sends weights.delta_threads)
+    keep_previous: bool = False   # prepare: keep the replaced bytes for a rollback after apply
 
 
 @dataclass
@@ -92,6 +105,18 @@ class _Staged:
     path: str
     serial: int
     tensors: list[tuple[str, torch.Tensor, torch.Tensor | None]]  # name, tensor or values, index
+    previous: list[tuple[str, torch.Tensor]] | None = None  # keep_previous: the replaced bytes
+    previous_version: str = ""
+
+
+@dataclass
+class _Previous:
+    """What `rollback` restores: the version before the last apply, its bytes, and the weights
+    serial right after that apply (any later update makes the rollback refuse)."""
+    version: str
+    applied: str
+    serial: int
+    tensors: list[tuple[str, torch.Tensor]]
 
 
 def _sparse_bytes(manifest) -> int | None:
@@ -155,6 +180,7 @@ class DeltaUpdates:
     def __init__(self, server):
         self.server = server
         self.staged: _Staged | None = None
+        self.previous: _Previous | None = None
         self._preparing = asyncio.Lock()
 
     async def handle(self, request):
@@ -163,6 +189,8 @@ class DeltaUpdates:
             return await self.prepare(b)
         if b.phase == "apply":
             return await self.apply(b)
+        if b.phase == "rollback":
+            return await self.rollback(b)
         self.staged = None
         return _json({"success": True, "message": "Discarded the prepared delta."})
 
@@ -174,11 +202,12 @@ class DeltaUpdates:
         srv = self.server
         async with self._preparing:
             self.staged = None
+            self.previous = None    # v-1 is kept for one version only
             serial, current = srv.weights_serial, srv.scheduler.weight_version
             t0 = time.perf_counter()
             try:
-                version, tensors, staging, sparse, nbytes = await asyncio.to_thread(
-                    self._decode, b.path, current, b.threads)
+                version, tensors, staging, sparse, nbytes, previous = await asyncio.to_thread(
+                    self._decode, b.path, current, b.threads, b.keep_previous)
             except (DeltaError, KeyError, ValueError, OSError) as e:
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
                 log.warning("delta %s refused: %s", b.path, msg)
@@ -189,7 +218,7 @@ class DeltaUpdates:
             if srv.weights_serial != serial:
                 return _fail("Failed to prepare the delta: the weights changed while it was being "
                              "prepared (another update ran); prepare again")
-            self.staged = _Staged(version, b.path, serial, tensors)
+            self.staged = _Staged(version, b.path, serial, tensors, previous, current)
             scattered = sum(idx is not None for _, _, idx in tensors)
             log.info("delta v%s prepared: %d tensors in %.2f s, staged on %s (%s, %.1f MiB)", version,
                      len(tensors), time.perf_counter() - t0, staging,
@@ -200,7 +229,7 @@ class DeltaUpdates:
                       "message": f"Prepared delta v{version} ({len(tensors)} tensors) in "
                                  f"{time.perf_counter() - t0:.2f} s"})
 
-    def _decode(self, path: str, current_version: str, threads: int):
+    def _decode(self, path: str, current_version: str, threads: int, keep_previous: bool = False):
         weights = self.server.runner.model.weights
         manifest = read_manifest(path)
         if manifest.base_version is not None and str(manifest.base_version) != current_version:
@@ -219,16 +248,22 @@ class DeltaUpdates:
         stream = torch.cuda.Stream(weights.device) if staging.type == "cuda" else None
 
         def one(entry, dst):
-            current = None
-            if entry.kind == "xor":
+            current = old = None
+            if entry.kind == "xor" or keep_previous:
                 current = dst.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            if keep_previous:  # a copy: on a CPU engine `current` is the live memory itself
+                old = torch.from_numpy(current.copy()).view(dst.dtype).reshape(dst.shape)
+            if entry.kind != "xor":
+                current = None
             new = decode_entry(path, manifest, entry, current)  # verified against its sha256
+            if old is not None:
+                previous.append((entry.name, old))
             if sparse and weights.scatter_target(entry.name) is not None:
                 idx, vals = _changes(new, current, dst.element_size())
                 return torch.from_numpy(vals).view(dst.dtype), torch.from_numpy(idx)
             return torch.from_numpy(new).view(dst.dtype).reshape(dst.shape), None
 
-        out, nbytes = [], 0
+        out, nbytes, previous = [], 0, []
         window = 2 * threads
         with ThreadPoolExecutor(threads, thread_name_prefix="delta-decode") as pool:
             pending = [pool.submit(one, *t) for t in targets[:window]]
@@ -253,7 +288,7 @@ class DeltaUpdates:
                         f.cancel()
         if stream is not None:
             stream.synchronize()  # staged and complete before apply's copies read them
-        return manifest.version, out, staging, sparse, nbytes
+        return manifest.version, out, staging, sparse, nbytes, (previous if keep_previous else None)
 
     async def apply(self, b: DeltaReq):
         srv, staged = self.server, self.staged
@@ -296,6 +331,9 @@ class DeltaUpdates:
             srv.weights_serial += 1
             sch.weight_version = b.weight_version or str(staged.version)
             self.staged = None
+            if staged.previous is not None:
+                self.previous = _Previous(staged.previous_version, sch.weight_version,
+                                          srv.weights_serial, staged.previous)
             in_flight = len(sch.running) + len(sch.waiting)
             swap_s = time.perf_counter() - t0
         n, n_swapped = len(staged.tensors), len(swapped)
@@ -309,3 +347,41 @@ class DeltaUpdates:
                       "message": f"Applied delta v{staged.version}: {n_swapped} tensors swapped in, "
                                  f"{n_copied} copied, {n_scattered} scattered, in "
                                  f"{1e3 * swap_s:.1f} ms."})
+
+    async def rollback(self, b: DeltaReq):
+        """Put back the version the last `apply` replaced (kept by a `keep_previous` prepare)."""
+        srv, prev = self.server, self.previous
+        if prev is None:
+            return _fail("Failed to roll back: nothing is kept (prepare with keep_previous, then "
+                         "apply, first; a later prepare drops it)")
+        if b.weight_version is not None and b.weight_version != prev.applied:
+            return _fail(f"weight_version: {b.weight_version!r} but the last apply was version "
+                         f"{prev.applied}")
+        sch, weights = srv.scheduler, srv.runner.model.weights
+        async with sch.step_lock:
+            t0 = time.perf_counter()
+            if srv.weights_serial != prev.serial:
+                self.previous = None
+                return _fail("Failed to roll back: the weights changed since the apply (another "
+                             "update ran)")
+
+            def restore():
+                with torch.no_grad():
+                    for name, old in prev.tensors:
+                        weights.copy_in(name, old)
+                if weights.device.type == "cuda":
+                    torch.cuda.synchronize(weights.device)
+
+            try:
+                await sch.run_compute(restore)
+            finally:
+                sch.flush_prefix_cache()
+            srv.weights_serial += 1
+            sch.weight_version = prev.version
+            self.previous = None
+            took = time.perf_counter() - t0
+        log.warning("delta v%s rolled back to version %s in %.1f ms (%d tensors)", prev.applied,
+                    prev.version, 1e3 * took, len(prev.tensors))
+        return _json({"success": True, "weight_version": prev.version, "restored": len(prev.tensors),
+                      "rollback_s": took,
+                      "message": f"Rolled back v{prev.applied} to v{prev.version}."})

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import random
 import time
 import uuid
@@ -344,6 +345,8 @@ class EngineServer(WeightRoutes):
             "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in r.spans],
             "num_retractions": r.num_retractions,
             "e2e_latency": (r.finished_s or time.time()) - r.created_s, "dp_rank": 0,
+            # provenance (miles/rl/provenance.py): who answered; the pid changes on a restart
+            "engine_id": f"{self.args.host}:{self.args.port}", "engine_incarnation": os.getpid(),
         }
         if r.return_logprob:
             tok_text = (lambda t: self._detok([t], False)) if (
