@@ -28,7 +28,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles import plugins
 from miles.algo import LossConfig
 from miles.backends.config import TrainConfig
 from miles.weights.base import WeightTransport
@@ -158,15 +158,6 @@ class TrainingBackend(ABC):
         raise NotImplementedError(f"train.backend = {self.name!r} takes no in-memory snapshot")
 
 
-BACKEND_CLASSES = {
-    "fsdp": "miles.backends.fsdp:FSDPBackend",
-    "megatron": "miles.backends.megatron:MegatronBackend",
-}
-
-
 def make_backend(name: str) -> TrainingBackend:
-    """The backend named by `train.backend`, not yet initialized."""
-    if name not in BACKEND_CLASSES:
-        raise ValueError(f"train.backend={name!r} is not one of {', '.join(BACKEND_CLASSES)}")
-    module, cls = BACKEND_CLASSES[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    """The backend named by `train.backend` (`miles.plugins` names them), not yet initialized."""
+    return plugins.load("train.backend", name)()

@@ -42,7 +42,8 @@ import random
 import string
 import sys
 from pathlib import Path
-from pkgutil import resolve_name
+
+from miles import plugins
 
 
 def _sort_digits() -> list[tuple[str, str]]:
@@ -167,7 +168,7 @@ def make_task(out_dir: str | Path, kind: str = "sort_digits", *, seed: int = 0,
     "sft": rows (optional)}`, each row a dict with prompt/label/metadata, made reproducibly from
     the seed."""
     if ":" in kind:
-        return _write_splits(Path(out_dir), kind, seed, lambda: resolve_name(kind)(seed=seed, test_frac=test_frac))
+        return _write_splits(Path(out_dir), kind, seed, lambda: plugins.load("data.task", kind)(seed=seed, test_frac=test_frac))
     if kind not in TASKS:
         raise ValueError(f"data.task = {kind!r}: expected one of {sorted(TASKS)}")
     return _write_splits(Path(out_dir), kind, seed, lambda: _builtin_splits(kind, seed, test_frac))

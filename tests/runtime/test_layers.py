@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("miles.wire", "miles.runtime", "miles.node", "miles.supervise", "miles.hostinfo",
                  "miles.console", "miles.seeds", "miles.tiny", "miles.sections", "miles.config",
-                 "miles.observe", "miles.episodes",
+                 "miles.observe", "miles.episodes", "miles.plugins",
                  # main's names before the runtime left miles/actors (for the before figures)
                  "miles.actors.base", "miles.actors.registry", "miles.actors.host")),
     ("rl", ("miles.actors", "miles.loop", "miles.rl", "miles.algo")),
@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "miles.tito", "miles.quant", "miles.agentic")),
     ("top", ("miles", "miles.cli", "miles.ops_cli", "miles.plan", "miles.plan_inputs",
              "miles.recipe_checks", "miles.config_doc", "miles.demo", "miles.replay",
-             "miles.plugins", "miles.node.__main__")),
+             "miles.node.__main__")),
 ]
 
 # Recipe sections are data: `miles.config` mounts them all and every layer reads them, so a
