@@ -79,8 +79,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
         "eval.mode = fleet launches its own embedded engines; an EngineFleet should own them",
     ("miles.actors.trainer", "miles.weights.publisher"):
         "the trainer hosts the publisher; to be handed one (weights.transport is a plug-in)",
-    ("miles.actors.trainer", "miles.quant.train"):
-        "quant.train's training transform; to be declared in the backend contract",
     ("miles.rl.tasks", "miles.envs.tool_agent"): "the built-in tool tasks render their prompts",
     ("miles.rl.tasks", "miles.tito.families"): "with the chat template of a model family",
     ("miles.rl.tasks", "miles.tito.messages"): "and its tool-call format",
