@@ -80,8 +80,8 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("miles.actors.trainer", "miles.weights.publisher"):
         "the trainer hosts the publisher; to be handed one (weights.transport is a plug-in)",
     ("miles.rl.tasks", "miles.envs.tool_agent"): "the built-in tool tasks render their prompts",
-    ("miles.rl.tasks", "miles.tito.families"): "with the chat template of a model family",
-    ("miles.rl.tasks", "miles.tito.messages"): "and its tool-call format",
+    ("miles.rl.tasks", "miles.tito.sft"):
+        "their warm-start rows, rendered with a model family's chat template and tool-call format",
 }
 
 MAX_INLINE_FRACTION = 0.10
