@@ -42,14 +42,10 @@ from miles.envs.config import AgentConfig
 from miles.rl.config import (BufferConfig, DataConfig, EvalConfig, LoggingConfig, LoopConfig,
                              ModelConfig, RolloutConfig, SFTConfig, TeacherConfig)
 from miles.sandboxes.config import SandboxConfig
-from miles.sections import Count, NonNegative, Positive, Seconds
+from miles.sections import Count, NonNegative, Positive, RecipeError, Seconds, bad_value, show
 from miles.tito.config import SessionConfig
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message names the key path, value and expectation."""
 
 
 class Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -328,16 +324,6 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
         raise _explain(e, tree, source) from None
     _check(recipe, tree, source)
     return _resolve(recipe)
-
-
-def show(value: Any) -> str:
-    """A recipe value as the recipe spells it (`true`, `'abc'`, `-1.0`)."""
-    return str(value).lower() if isinstance(value, bool) else repr(value)
-
-
-def bad_value(source: str, key: str, value: Any, expected: str) -> RecipeError:
-    """The one shape of a recipe error: `<source>: <key.path> = <value>: <what was expected>`."""
-    return RecipeError(f"{source}: {key} = {show(value)}: {expected}")
 
 
 def _given(tree: dict, section: str, key: str) -> bool:

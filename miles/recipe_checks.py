@@ -7,13 +7,10 @@ what the loop needs (a model, a data set, eval and warm-start data). It also ret
 combinations that run but train silently wrong.
 
 Design decisions:
-- Imports go through `pkgutil.resolve_name`, the same resolution the actors use, so "resolves
-  here" means "loads there". A plug-in's contract is checked by its type (a subclass of the base
-  class) or its signature (a callable taking one positional argument); nothing is called.
-- The plug-in depths are checked against their contracts: `rollout.generate` an `async def` of
-  (ctx, sample), `rollout.agent` an `async def` of (base_url, task); a reward that asks for the
-  episode's `sandbox` must be async (the sandbox lives on the worker's event loop), and a batched
-  reward cannot have one (it sees a group, not an episode).
+- Every plug-in key is checked by its contract in `miles.plugins`, the same one the actor that
+  loads it applies, so "resolves here" means "loads there"; this module checks only what is not
+  a plug-in (paths, models, the teacher, combinations of sections). A batched reward cannot run
+  with a sandbox (it sees a group, not an episode).
 - A recipe runs the loop when what it will place (`with_default_actors`) is empty or has a
   `LoopDriver`. A recipe of only its own actors (the demo, the runtime tests) needs no model.
 - Errors are `RecipeError`s of the one recipe shape (`<source>: key.path = value: expected ...`);
@@ -22,41 +19,26 @@ Design decisions:
 
 from __future__ import annotations
 
-import inspect
 import json
 import pkgutil
 from pathlib import Path
-from typing import Any
 
-from miles.actors.buffer import BufferPolicy, FILTERS
+from miles import plugins
 from miles.config import Recipe, RecipeError, bad_value
 from miles.loop import LoopDriver
-from miles.rl.rewards import BUILTIN
 from miles.rl.sources import with_default_actors
-from miles.runtime import Actor
-from miles.sandboxes.registry import backend_names
 from miles.tiny import ARCH_CONFIGS
 from miles.wire.auth import keys_from_env
 
 
 def check_recipe(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     """Raise RecipeError for the first problem found; return the warnings of a usable recipe."""
-    from miles.actors.rollout import RolloutWorker
-
-    for role, spec in recipe.actors.items():
-        _subclass(source, f"actors.{role}.class", spec.cls, Actor)
-    ro, buf = recipe.rollout, recipe.buffer
-    _subclass(source, "rollout.worker", ro.worker, RolloutWorker)
-    if ro.reward not in BUILTIN:
-        _callable(source, "rollout.reward", ro.reward, "the samples of a group" if ro.reward_batched
-                  else "the sample", builtin=sorted(BUILTIN))
-    _check_depths(recipe, source)
-    if buf.filter not in FILTERS:
-        _callable(source, "buffer.filter", buf.filter, "the group", builtin=sorted(FILTERS))
-    if buf.policy:
-        _subclass(source, "buffer.policy", buf.policy, BufferPolicy)
-    if recipe.data.source:
-        _callable(source, "data.source", recipe.data.source, "the recipe")
+    for key, value, context in plugins.recipe_plugins(recipe):
+        plugins.check(key, value, source, **context)
+    if recipe.sandbox.backend and recipe.rollout.reward_batched:
+        raise bad_value(source, "rollout.reward_batched", True,
+                        f"expected false with sandbox.backend = {recipe.sandbox.backend!r}: a batched "
+                        f"reward sees a group, and each episode's sandbox is gone by then")
     _check_model(recipe, source)
     _check_teacher(recipe, source)
     _check_choices_and_paths(recipe, source)
@@ -101,97 +83,9 @@ def loop_warnings(recipe: Recipe) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-
-def _resolve(source: str, key: str, path: str) -> Any:
-    module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise bad_value(source, key, path, "expected 'module:name'")
-    try:
-        return pkgutil.resolve_name(path)
-    except ModuleNotFoundError as e:
-        raise bad_value(source, key, path, f"cannot import module {module!r}: {e}") from None
-    except AttributeError:
-        raise bad_value(source, key, path, f"module {module!r} has no attribute {attr!r}") from None
-    except Exception as e:  # the user's module raised while being imported
-        raise bad_value(source, key, path, f"importing module {module!r} raised "
-                                           f"{type(e).__name__}: {e}") from None
-
-
-def _subclass(source: str, key: str, path: str, base: type) -> type:
-    obj = _resolve(source, key, path)
-    if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise bad_value(source, key, path, f"not a subclass of {base.__module__}.{base.__qualname__}"
-                                           f" (it is {obj!r})")
-    return obj
-
-
-def _callable(source: str, key: str, path: str, argument: str, builtin: list[str] = ()) -> None:
-    if builtin and ":" not in path:
-        raise bad_value(source, key, path, f"expected one of {', '.join(builtin)} or "
-                                           f"'module:function'")
-    fn = _resolve(source, key, path)
-    if not callable(fn):
-        raise bad_value(source, key, path, f"{type(fn).__name__} {fn!r} is not callable")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins have no signature to read: trust them
-        return
-    try:
-        if "sandbox" in signature.parameters:  # a verifier of the episode's sandbox
-            signature.bind(object(), sandbox=object())
-        else:
-            signature.bind(object())
-    except TypeError:
-        raise bad_value(source, key, path, f"wrong signature {signature}: expected a callable "
-                                           f"taking one positional argument ({argument})") from None
-
-
-def _async_of(source: str, key: str, path: str, params: tuple[str, ...], contract: str) -> None:
-    fn = _resolve(source, key, path)
-    if not inspect.iscoroutinefunction(fn):
-        raise bad_value(source, key, path, f"{type(fn).__name__} {getattr(fn, '__qualname__', fn)!r} is not "
-                                           f"an async function: expected `{contract}`")
-    required = [p.name for p in inspect.signature(fn).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if len(required) != len(params):
-        raise bad_value(source, key, path, f"wrong signature {inspect.signature(fn)}: expected `{contract}` "
-                                           f"({len(params)} positional parameters: {', '.join(params)})")
-
-
-def _check_depths(recipe: Recipe, source: str) -> None:
-    ro = recipe.rollout
-    if ro.generate:
-        _async_of(source, "rollout.generate", ro.generate, ("ctx", "sample"),
-                  "async def generate(ctx, sample) -> Sample | list[Sample]")
-    if ro.agent:
-        _async_of(source, "rollout.agent", ro.agent, ("base_url", "task"),
-                  "async def agent(base_url, task) -> dict | None")
-    if ro.function:
-        _async_of(source, "rollout.function", ro.function, ("ctx", "n_groups"),
-                  "async def rollout(ctx, n_groups) -> list[Group]")
-    if not recipe.sandbox.backend:
-        return
-    if recipe.sandbox.backend not in backend_names():
-        raise bad_value(source, "sandbox.backend", recipe.sandbox.backend,
-                        f"expected one of {', '.join(backend_names())}")
-    if ro.reward_batched:
-        raise bad_value(source, "rollout.reward_batched", True,
-                        f"expected false with sandbox.backend = {recipe.sandbox.backend!r}: a batched "
-                        f"reward sees a group, and each episode's sandbox is gone by then")
-    if ":" in ro.reward:
-        from miles.envs.episode import takes_sandbox
-        fn = _resolve(source, "rollout.reward", ro.reward)
-        if takes_sandbox(fn) and not inspect.iscoroutinefunction(fn):
-            raise bad_value(source, "rollout.reward", ro.reward,
-                            "a reward with a `sandbox` parameter must be `async def` (the sandbox's "
-                            "methods are coroutines of the rollout worker's event loop)")
-
-
 def _check_model(recipe: Recipe, source: str) -> None:
     model = recipe.model
     if model.tiny and not model.path:
-        from miles.tiny import ARCH_CONFIGS
         if model.tiny not in ARCH_CONFIGS:
             raise bad_value(source, "model.tiny", model.tiny,
                             f"expected one of {', '.join(sorted(ARCH_CONFIGS))}")
@@ -239,7 +133,6 @@ def _check_teacher(recipe: Recipe, source: str) -> None:
             raise bad_value(source, "teacher.path", teacher.path, f"expected an HF model directory; it {what}")
         teacher_vocab = json.loads((Path(teacher.path) / "config.json").read_text()).get("vocab_size")
     else:
-        from miles.tiny import ARCH_CONFIGS
         if teacher.tiny not in ARCH_CONFIGS:
             raise bad_value(source, "teacher.tiny", teacher.tiny,
                             f"expected one of {', '.join(sorted(ARCH_CONFIGS))}")
@@ -260,7 +153,6 @@ def _check_moe(recipe: Recipe, source: str) -> None:
         config = json.loads((Path(model.path) / "config.json").read_text())
         which = f"model.path = {model.path!r}"
     elif model.tiny:
-        from miles.tiny import ARCH_CONFIGS
         config = {**ARCH_CONFIGS[model.tiny], **model.tiny_overrides}
         which = f"model.tiny = {model.tiny!r}"
     else:
@@ -279,16 +171,6 @@ def _check_choices_and_paths(recipe: Recipe, source: str) -> None:
             raise bad_value(source, "engine.gateway_policy", recipe.engine.gateway_policy,
                             f"expected one of {', '.join(POLICIES)}")
     data = recipe.data
-    if data.task:
-        from miles.rl.tasks import TASKS
-        if ":" in data.task:
-            fn = _resolve(source, "data.task", data.task)
-            if not callable(fn):
-                raise bad_value(source, "data.task", data.task, "not callable: expected "
-                                "`def tasks(seed, test_frac) -> {'train': rows, 'test': rows}`")
-        elif data.task not in TASKS:
-            raise bad_value(source, "data.task", data.task,
-                            f"expected one of {', '.join(sorted(TASKS))}")
     for key in ("path", "eval_path", "sft_path"):
         path = getattr(data, key)
         if path and not Path(path).is_file():

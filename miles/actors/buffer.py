@@ -81,7 +81,7 @@ from miles.wire.journal import Journal
 from miles.actors.slots import (HOLDING, STATES, JournalBatchOut, JournalBatchTrained,
                                 JournalHandedBack, JournalQueued, JournalReserved, JournalRetry,
                                 JournalRollout, JournalSnapshot, JournalVersion, SlotRow)
-from miles.rl.rewards import load_function
+from miles import plugins
 from miles.wire.messages import (Batch, BufferMetricsRequest, ConfirmBatch, GetBatch,
                                  GetQueuedPrompts, GetRolloutResume, Group, Message, Metrics,
                                  NoteRolloutStart, OrphanSlot, PutGroup, PutReply, QueuedPrompts,
@@ -124,7 +124,9 @@ def nonzero_std(group: Group, reward_key: str = "") -> bool:
     return max(rewards) - min(rewards) > 1e-9 if rewards else False
 
 
-FILTERS = {"none": lambda group, reward_key="": True, "nonzero_std": nonzero_std}
+def keep_all(group: Group, reward_key: str = "") -> bool:
+    """`buffer.filter = "none"`: train every group."""
+    return True
 
 
 class BufferPolicy:
@@ -179,10 +181,10 @@ class Buffer(Actor):
         self.capacity_groups, self.groups_per_step = capacity_groups, groups_per_step
         self.filter_spec = filter_spec
         self.max_staleness = max_staleness
-        if filter_spec in FILTERS:
-            self.keep_group = functools.partial(FILTERS[filter_spec], reward_key=reward_key)
-        else:
-            self.keep_group = load_function(filter_spec, "buffer.filter")
+        keep = plugins.load("buffer.filter", filter_spec)
+        # the built-ins read the trained reward key; a user's filter takes the group only
+        self.keep_group = (functools.partial(keep, reward_key=reward_key)
+                           if plugins.is_builtin("buffer.filter", filter_spec) else keep)
         self.policy = policy or BufferPolicy()
 
     async def on_start(self) -> None:
@@ -191,8 +193,7 @@ class Buffer(Actor):
         r = self.recipe
         policy_cls = BufferPolicy
         if r.buffer.policy:
-            from miles.runtime.host import load_class
-            policy_cls = load_class(r.buffer.policy, BufferPolicy)
+            policy_cls = plugins.load("buffer.policy", r.buffer.policy)
         self.configure(r.buffer.capacity_groups, r.loop.groups_per_step, r.loop.staleness,
                        r.buffer.filter, policy_cls(r.rollout.max_retries, r.buffer.stale_action),
                        r.train.reward_key)

@@ -51,7 +51,8 @@ import msgspec
 import numpy as np
 
 from miles.rl.prompts import prompt_token_ids
-from miles.rl.rewards import call_maybe_async, load_function
+from miles import plugins
+from miles.rl.rewards import call_maybe_async
 from miles.rl.sources import make_source, tokenizer_for
 from miles.runtime import Actor
 from miles.seeds import eval_seed
@@ -78,7 +79,8 @@ class Evaluator(Actor):
     async def on_start(self) -> None:
         r = self.recipe
         self.cfg = r.eval
-        self.reward_fn = load_function(r.rollout.reward, "rollout.reward")
+        self.reward_fn = plugins.load("rollout.reward", r.rollout.reward,
+                                      batched=r.rollout.reward_batched)
         self.tokenizer = tokenizer_for(r.model.path)
         if self.cfg.mode in ("shared", "fleet"):
             source = make_source(r, split="eval")

@@ -70,9 +70,10 @@ from miles.engines.sampling_params import sampling_params
 from miles.envs.episode import EpisodeEnv, run_episode
 from miles.rl.data import Prompt
 from miles.rl.prompts import prompt_token_ids
+from miles import plugins
 from miles.rl.otel import NOOP, telemetry
 from miles.rl.provenance import Stamper, note_engine
-from miles.rl.rewards import call_off_loop, check_reward, load_function
+from miles.rl.rewards import call_off_loop, check_reward
 from miles.rl.sources import make_source, tokenizer_for
 from miles.runtime import Actor
 from miles.seeds import sample_seed
@@ -153,7 +154,8 @@ class RolloutWorker(Actor):
                                    generate_timeout_s=self.cfg.request_timeout_s,
                                    routed_experts_layout=layout)
         self.source = make_source(r, split="train")
-        self.reward_fn = load_function(self.cfg.reward, "rollout.reward")
+        self.reward_fn = plugins.load("rollout.reward", self.cfg.reward,
+                                      batched=self.cfg.reward_batched)
         self.buffer = self.runtime.ref("buffer")
         self.semaphore = asyncio.Semaphore(self.cfg.max_inflight_samples)
         if r.teacher.path:

@@ -29,7 +29,6 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -45,12 +44,6 @@ from miles.wire.messages import (CheckpointState, GetEngines, LoadCheckpoint, Ok
 log = logging.getLogger(__name__)
 
 
-def _takes_index(train) -> bool:
-    import inspect
-    params = inspect.signature(train).parameters
-    return "index" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 class Trainer(Actor):
     preload = ("torch", "transformers", "miles.backends.fsdp", "miles.weights.publisher")  # what a warm spare imports ahead (restart.spare)
 
@@ -63,6 +56,7 @@ class Trainer(Actor):
         self.snapshot_note = ""        # why there are none
         self._snapshotting: asyncio.Future | None = None
         self.train_call, self.train_metrics = 0, {}   # the driver's last train call made here
+        self.asleep = False            # train.sleep_between_steps: lent out since the last publish
 
     async def on_start(self) -> None:
         from miles.backends.base import RankInfo
@@ -75,7 +69,22 @@ class Trainer(Actor):
     async def _run(self, fn, *args):
         async with self.lock:
             await self._snapshot_done()
+            await self._wake()
             return await asyncio.to_thread(fn, *args)
+
+    async def _wake(self) -> None:
+        """Before any backend call (under the lock): take back what `_sleep` lent out."""
+        if self.asleep:
+            await asyncio.to_thread(self.backend.wake_up)
+            self.asleep = False
+
+    async def _sleep(self) -> None:
+        """After a publish (under the lock), with `train.sleep_between_steps`: the rank's device
+        memory goes to the host until its next call (Offloadable), for colocated engines."""
+        if self.recipe is not None and self.recipe.train.sleep_between_steps and not self.asleep:
+            await self._snapshot_done()   # the snapshot copy reads the device state
+            await asyncio.to_thread(self.backend.sleep)
+            self.asleep = True
 
     async def _snapshot_done(self) -> None:
         if self._snapshotting is not None:
@@ -95,19 +104,10 @@ class Trainer(Actor):
         # The phase is an argument of the call, never state set on the backend: a call waiting
         # for the lock cannot change the config of the one running.
         # index: this rank's DP shard of the batch (miles.loop.shard_batch); None: the whole batch
-        train = self.backend.train
-        if msg.index is not None:
-            if _takes_index(train):
-                train = functools.partial(train, index=msg.index)
-            elif len(msg.samples) != len(msg.index.lengths):
-                raise TypeError(f"{type(self.backend).__name__}.train() takes no `index`, so it cannot "
-                                "train from a data-parallel shard of the batch (miles/backends/base.py: "
-                                "train(samples, phase, index)); add the parameter, or run one DP rank")
-            # else: the shard is the whole batch (one DP rank); a backend older than `index` trains it
         if msg.train_call and msg.train_call == self.train_call:
             # healed from a snapshot taken after this call: its result, not a second update
             return TrainResult(metrics=dict(self.train_metrics))
-        raw = await self._run(train, msg.samples, self.phases[msg.phase])
+        raw = await self._run(self.backend.train, msg.samples, self.phases[msg.phase], msg.index)
         metrics = {k: float(v) for k, v in raw.items()}
         self.train_call, self.train_metrics = msg.train_call, metrics
         if self.snapshots is not None and msg.train_call:
@@ -129,6 +129,7 @@ class Trainer(Actor):
                               f"{msg.train_call} (it holds {calls})")
         t0 = time.perf_counter()
         async with self.lock:
+            await self._wake()
             await asyncio.to_thread(self.backend.load_memory_state, image)
         self.train_call, self.train_metrics = msg.train_call, dict(image.meta["metrics"])
         return SnapshotState(train_calls=calls, restored=msg.train_call,
@@ -175,6 +176,7 @@ class Trainer(Actor):
             self.backend.update_weights(self.transport, version)
 
         async with self.lock:
+            await self._wake()
             asked = list(targets or getattr(self, "engine_urls", None) or [])
             while True:
                 try:
@@ -194,6 +196,7 @@ class Trainer(Actor):
                         error = e
                     verdict = await self._settle(error, targets)
                     if verdict[0] == "ok":
+                        await self._sleep()
                         dropped = sorted(set(asked) - set(self.engine_urls))
                         report = self.publisher.last_report if self.publisher is not None else None
                         return Published(detail=f"version {version}" + (
@@ -292,16 +295,15 @@ def open_snapshots(recipe, rank: int):
 def build_backend(recipe, rank):
     """The recipe's training backend, initialised for `rank`: what every trainer rank builds,
     and what `miles replay` builds to re-run a recorded step offline."""
-    from miles.backends.base import make_backend
+    from miles.backends.base import Offloadable, make_backend
 
     rl = phases_for(recipe)["rl"]
     backend = make_backend(recipe.train.backend)
+    if recipe.train.sleep_between_steps and not isinstance(backend, Offloadable):
+        raise ValueError(f"train.sleep_between_steps = true: train.backend = {recipe.train.backend!r} "
+                         "is not Offloadable (no sleep / wake_up; miles/backends/base.py)")
     if recipe.quant.train != "bf16":  # miles/quant/train.py
-        if not hasattr(backend, "lm_transform"):
-            raise ValueError(f"quant.train = {recipe.quant.train!r} is wired for train.backend = "
-                             f"'fsdp' only, not {recipe.train.backend!r}")
-        from miles.quant.train import training_transform
-        backend.lm_transform = training_transform(recipe.quant)
+        backend.quantize_training(recipe.quant)
     backend.init(rl.config, rank, rl.loss)
     return backend
 

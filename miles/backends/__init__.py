@@ -1,4 +1,5 @@
-"""Training backends behind one five-method contract (base.py); `make_backend(name)` picks one.
+"""Training backends behind one contract (base.py: six core members, three optional, and the
+`Offloadable` protocol); `make_backend(name)` picks one.
 
     from miles.backends import TrainConfig, RankInfo, make_backend
     backend = make_backend(cfg.backend)          # "fsdp" | "megatron"
@@ -8,7 +9,7 @@
     backend.train(samples, TrainPhase("sft", sft_loss, sft_cfg))  # another phase: its own optimizer
     backend.update_weights(transport, version)
     backend.save_model(path) / backend.load_model(path) / backend.save_model(path, hf=True)
-    backend.sleep(); backend.wake_up()
+    backend.sleep(); backend.wake_up()           # Offloadable (train.sleep_between_steps)
 
 The FSDP backend also offers `iter_hf_weight_buckets(bucket_bytes)` (full tensors under HF names),
 and `miles.backends.hf_weights.iter_hf_weight_buckets(model, ...)` for any HF module.

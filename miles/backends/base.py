@@ -1,10 +1,24 @@
-"""The training-backend contract: five methods, and the factory that picks a backend by name.
+"""The training-backend contract: what the trainer actor calls, and the factory by name.
+
+The core, six members every backend implements (the trainer calls each of them):
 
     init(config, rank, loss)            build model, optimizer, parallel layout
-    train(samples, phase=None) -> metrics   one batch: log-prob recompute, loss, backward, optimizer step(s)
+    train(samples, phase, index) -> metrics   one batch: log-prob recompute, loss, backward, step(s)
     update_weights(transport, version)  push the current weights through a WeightTransport
-    save_model(path, hf=False, ...)     resumable checkpoint, or an HF directory; load_model resumes
-    sleep() / wake_up()                 give device memory to a colocated engine and take it back
+    save_model(path, hf=False, ...)     resumable checkpoint, or an HF directory
+    load_model(path) -> extra_state     resume from save_model(hf=False)
+    step                                optimizer steps of the main phase (a property)
+
+Optional, each with a default that refuses or does nothing, naming the backend:
+
+    quantize_training(quant)            `quant.train` (fp8 / int4 QAT forward), before `init`
+    memory_state() / load_memory_state  the in-memory snapshot (`loop.snapshot`)
+    close()                             release the process group and device memory
+
+And one protocol, `Offloadable` (`sleep()` / `wake_up()`), which both built-in backends
+implement: with `train.sleep_between_steps` the trainer puts its rank to sleep after each publish
+and wakes it before its next call, so engines colocated on the same GPUs get the memory while
+they generate.
 
 Design decisions:
 - Every trainer rank runs the same calls in the same order (the ranks form one torch distributed
@@ -12,8 +26,9 @@ Design decisions:
   the backend picks each rank's share: only the backend knows its parallel layout (data-parallel
   ranks for FSDP; DP x TP x PP for Megatron), so nothing above this line needs to.
 - Nothing above this line knows which backend runs: `make_backend(config.backend)` is the only
-  place a name turns into a class, and it imports the backend module lazily (Megatron's imports
-  must not be needed to run FSDP).
+  place a name turns into a class (`train.backend`'s contract in `miles.plugins`), and it imports
+  the backend module lazily (Megatron's imports must not be needed to run FSDP).
+- The trainer calls `train(samples, phase, index)` with all three, always: no signature sniffing.
 - A `TrainPhase` (name, loss, config) says which objective and schedule a `train` call runs; the
   caller passes it with every call instead of setting attributes on the backend, so no call can
   run with another call's config. `phase=None` is the main phase that `init` was given (named
@@ -28,16 +43,17 @@ Design decisions:
 
 from __future__ import annotations
 
-import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+from miles import plugins
 from miles.algo import LossConfig
 from miles.backends.config import TrainConfig
+from miles.quant.config import QuantConfig
 from miles.weights.base import WeightTransport
 from miles.wire.messages import BatchIndex, Sample
 
@@ -130,14 +146,6 @@ class TrainingBackend(ABC):
     def load_model(self, path: str | Path) -> dict[str, Any]:
         """Resume from a `save_model(hf=False)` directory; returns the saved `extra_state`."""
 
-    @abstractmethod
-    def sleep(self) -> None:
-        """Move parameters, gradients and optimizer state off the device."""
-
-    @abstractmethod
-    def wake_up(self) -> None:
-        """Bring back what `sleep` moved; training continues exactly where it was."""
-
     @property
     @abstractmethod
     def step(self) -> int:
@@ -145,6 +153,12 @@ class TrainingBackend(ABC):
 
     def close(self) -> None:
         """Release the process group and device memory (optional)."""
+
+    def quantize_training(self, quant: QuantConfig) -> None:
+        """Train the policy's linear layers in `quant.train`'s format (miles/quant/train.py);
+        called before `init`. Optional: the default refuses, naming the backend."""
+        raise ValueError(f"quant.train = {quant.train!r} is not wired for train.backend = "
+                         f"{self.name!r} (only 'fsdp')")
 
     def memory_state(self, train_call: int, metrics: dict[str, float]) -> tuple[dict, list]:
         """This rank's state as (a msgpack-able table, host arrays) for the in-memory snapshot
@@ -158,15 +172,18 @@ class TrainingBackend(ABC):
         raise NotImplementedError(f"train.backend = {self.name!r} takes no in-memory snapshot")
 
 
-BACKEND_CLASSES = {
-    "fsdp": "miles.backends.fsdp:FSDPBackend",
-    "megatron": "miles.backends.megatron:MegatronBackend",
-}
+@runtime_checkable
+class Offloadable(Protocol):
+    """A backend whose device memory can be lent out between steps (`train.sleep_between_steps`):
+    the trainer calls `sleep` after a publish and `wake_up` before the rank's next call."""
+
+    def sleep(self) -> None:
+        """Move parameters, gradients and optimizer state off the device."""
+
+    def wake_up(self) -> None:
+        """Bring back what `sleep` moved; training continues exactly where it was."""
 
 
 def make_backend(name: str) -> TrainingBackend:
-    """The backend named by `train.backend`, not yet initialized."""
-    if name not in BACKEND_CLASSES:
-        raise ValueError(f"train.backend={name!r} is not one of {', '.join(BACKEND_CLASSES)}")
-    module, cls = BACKEND_CLASSES[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    """The backend named by `train.backend` (`miles.plugins` names them), not yet initialized."""
+    return plugins.load("train.backend", name)()

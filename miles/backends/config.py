@@ -107,6 +107,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # None: on exactly when the loss has a KL term; true also without one, to log ref_kl (the
     # policy's KL to the reference) every RL step, for one no-grad forward of the reference
     use_ref_model: bool | None = None
+    # after each weight publish the ranks move parameters, gradients and optimizer state to host
+    # memory and take them back before their next call (the backend's sleep / wake_up), so
+    # engines colocated on the same GPUs (weights.transport = "colocated") get the memory meanwhile
+    sleep_between_steps: bool = False
 
     # --- PPO critic (algo.advantage_estimator = "ppo"; miles/backends/critic.py): its own AdamW and
     # schedule (the policy's betas, eps, weight decay and clipping) ---

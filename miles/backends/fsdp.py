@@ -116,8 +116,12 @@ class FSDPBackend(TrainingBackend):
         self._steps: dict[str, int] = {}
         self._offload = HostOffload()
         # (lm, device, compute_dtype) -> None, on the trainable model before fully_shard:
-        # quant.train (miles/quant/train.py: INT4 QAT, torchao float8). Set before init.
+        # quant.train (miles/quant/train.py: INT4 QAT, torchao float8). Set by quantize_training.
         self.lm_transform = None
+
+    def quantize_training(self, quant) -> None:
+        from miles.quant.train import training_transform
+        self.lm_transform = training_transform(quant)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

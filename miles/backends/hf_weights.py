@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from miles.weights.disk import copy_model_files
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -108,9 +109,6 @@ def iter_hf_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dty
         yield bucket
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 def export_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, *, write: bool,
               dtype: torch.dtype, shard_bytes: int = 4 << 30,
               params: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
@@ -119,20 +117,32 @@ def export_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, *, 
     Every rank calls this (the gather is collective); only the rank with `write` touches the disk.
     The tokenizer and generation config are copied from `source_dir`, the model's own directory.
     """
+    write_hf_dir(iter_hf_weight_buckets(model, shard_bytes, dtype=dtype, device="cpu", params=params),
+                 source_dir, out_dir, write=write)
+
+
+def write_hf_dir(buckets: Iterable[NamedTensors], source_dir: str | Path, out_dir: str | Path, *,
+                 write: bool) -> None:
+    """The one HF-directory writer (FSDP's `export_hf`, Megatron's `save_hf`): one safetensors
+    shard per bucket, named as huggingface_hub names them, the index when there are several,
+    config.json with the exported dtype and the tokenizer files of `source_dir`.
+
+    Every rank iterates `buckets` (gathering them is collective); only `write` touches the disk.
+    Each bucket is written as soon as it is gathered (no rank holds the whole model), under a
+    provisional name: the final "-of-N" names are known only at the end."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     if write:
         out.mkdir(parents=True, exist_ok=True)
-    # Each bucket is written as soon as it is gathered (rank 0 never holds the whole model), under
-    # a provisional name; the final "-of-N" names are known only at the end.
     written: list[tuple[Path, list[str]]] = []
-    total = 0
-    for k, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes, dtype=dtype, device="cpu", params=params)):
+    total, dtype = 0, None
+    for k, bucket in enumerate(buckets):
+        dtype = dtype or bucket[0][1].dtype
         if not write:
             continue
         tmp = out / f".shard-{k:05d}.safetensors"
-        save_file(dict(bucket), str(tmp), metadata={"format": "pt"})
+        save_file({name: t.cpu() for name, t in bucket}, str(tmp), metadata={"format": "pt"})
         written.append((tmp, [name for name, _ in bucket]))
         total += sum(t.numel() * t.element_size() for _, t in bucket)
     if not write:
@@ -146,10 +156,4 @@ def export_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, *, 
     if len(written) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = json.loads((Path(source_dir) / "config.json").read_text())
-    config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES[dtype]
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for src in Path(source_dir).iterdir():
-        if src.is_file() and (src.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
-                                                   "generation_config", "chat_template"))):
-            shutil.copy2(src, out / src.name)
+    copy_model_files(source_dir, out, dtype)

@@ -1,4 +1,4 @@
-"""MegatronBackend: megatron-core GPTModel (TP x PP x EP x DP) behind the five-method contract.
+"""MegatronBackend: megatron-core GPTModel (TP x PP x EP x DP) behind the training-backend contract (base.py).
 
 Design decisions:
 - Same batch path as FSDP (`train_common`): every rank checks what it holds (the whole batch, or

@@ -27,9 +27,7 @@ Design decisions:
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles.backends.hf_weights import NamedTensors
+from miles.backends.hf_weights import NamedTensors, write_hf_dir
 
 # ---------------------------------------------------------------------------------------------
 # mappings
@@ -442,49 +440,11 @@ def iter_hf_weight_buckets(models, bucket_bytes: int, dtype: torch.dtype | None 
 # ---------------------------------------------------------------------------------------------
 # HF directory export
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_COPIED_PREFIXES = ("tokenizer", "special_tokens", "vocab", "merges", "generation_config",
-                    "chat_template")
-
-
 def save_hf(models, source_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
             shard_bytes: int = 4 << 30, write: bool | None = None) -> None:
     """Write an HF safetensors directory loadable by `from_pretrained` (collective on every rank;
-    only the rank with `write`, default global rank 0, touches the disk). Config and tokenizer
-    files come from `source_dir`; shard files are named by huggingface_hub's pattern."""
-    from huggingface_hub.constants import SAFETENSORS_WEIGHTS_FILE_PATTERN
-    from safetensors.torch import save_file
-
+    only the rank with `write`, default global rank 0, touches the disk): `write_hf_dir` over
+    this model's buckets."""
     write = dist.get_rank() == 0 if write is None else write
-    out = Path(out_dir)
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-    written: list[tuple[Path, list[str]]] = []
-    total = 0
-    seen_dtype = None
-    for k, bucket in enumerate(iter_hf_weight_buckets(models, shard_bytes, dtype=dtype)):
-        seen_dtype = seen_dtype or bucket[0][1].dtype
-        if not write:
-            continue
-        tmp = out / f".shard-{k:05d}.safetensors"
-        save_file({n: t.cpu() for n, t in bucket}, str(tmp), metadata={"format": "pt"})
-        written.append((tmp, [n for n, _ in bucket]))
-        total += sum(_nbytes(t) for _, t in bucket)
-    if not write:
-        return
-    weight_map: dict[str, str] = {}
-    for k, (tmp, names) in enumerate(written):
-        fname = ("model.safetensors" if len(written) == 1 else SAFETENSORS_WEIGHTS_FILE_PATTERN.format(
-            suffix=f"-{k + 1:05d}-of-{len(written):05d}"))
-        tmp.rename(out / fname)
-        weight_map.update(dict.fromkeys(names, fname))
-    if len(written) > 1:
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = json.loads((Path(source_dir) / "config.json").read_text())
-    if seen_dtype in _DTYPE_NAMES:
-        config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES[seen_dtype]
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for src in Path(source_dir).iterdir():
-        if src.is_file() and src.name.startswith(_COPIED_PREFIXES):
-            shutil.copy2(src, out / src.name)
+    write_hf_dir(iter_hf_weight_buckets(models, shard_bytes, dtype=dtype), source_dir, out_dir,
+                 write=write)

@@ -37,8 +37,6 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import inspect
-import pkgutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -47,6 +45,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from miles import plugins
 from miles.envs.context import run_to_end
 from miles.tito.client import SessionServerClient, SessionServerError
 from miles.wire.messages import Sample
@@ -65,28 +64,8 @@ class AgentRun(msgspec.Struct):
 
 
 def load_agent(path: str) -> AgentFn:
-    """`module:function` -> the agent function, checked against the contract."""
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"agent: {path!r} is not an import path of the form 'module:function'")
-    try:
-        fn = pkgutil.resolve_name(path)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"agent: {path!r} cannot be loaded: {e}") from None
-    check_agent(fn, path)
-    return fn
-
-
-def check_agent(fn: Any, name: str = "") -> None:
-    name = name or getattr(fn, "__qualname__", repr(fn))
-    if not inspect.iscoroutinefunction(fn):
-        raise TypeError(f"agent {name}: expected `async def agent(base_url, task) -> dict | None`, "
-                        f"got a non-async {type(fn).__name__}")
-    params = [p for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if len(params) != 2:
-        raise TypeError(f"agent {name}: expected two required parameters (base_url, task), "
-                        f"got {[p.name for p in params]}")
+    """`module:function` -> the agent function, checked against the `rollout.agent` contract."""
+    return plugins.load("rollout.agent", path)
 
 
 def _empty(status: str, rollout_id: str, group_id: str, reason: str) -> Sample:
@@ -180,7 +159,7 @@ async def run_agent_group(agent_fn: AgentFn | str, task: dict[str, Any], n: int,
     if isinstance(agent_fn, str):
         agent_fn = load_agent(agent_fn)
     else:
-        check_agent(agent_fn)
+        plugins.check_object("rollout.agent", agent_fn)
     if n < 1:
         raise ValueError(f"n: expected at least 1 agent run per group, got {n}")
     group_id = group_id or str(task.get("id") or uuid.uuid4().hex)

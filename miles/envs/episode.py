@@ -46,7 +46,8 @@ import numpy as np
 
 from miles.envs.context import (EpisodeContext, EpisodeLimitError, EpisodeStats, LazySandbox,
                                 no_sandbox, sandbox_spec)
-from miles.rl.rewards import call_off_loop, check_reward, load_function
+from miles import plugins
+from miles.rl.rewards import call_off_loop, check_reward
 from miles.sandboxes.base import SandboxSpecError
 from miles.wire.messages import Sample
 
@@ -108,13 +109,13 @@ class EpisodeEnv:
 
     def __init__(self, recipe, engine, tokenizer, *, role: str, incarnation: int = 0, retry=None,
                  reward_fn=None):
-        from miles.envs.agent import load_agent
         ro = recipe.rollout
         self.recipe, self.engine, self.tokenizer = recipe, engine, tokenizer
         self.role, self.incarnation, self.retry = role, incarnation, retry
-        self.generate_fn: GenerateFn | None = load_function(ro.generate, "rollout.generate") if ro.generate else None
-        self.agent_fn = load_agent(ro.agent) if ro.agent else None
-        self.reward_fn = reward_fn or load_function(ro.reward, "rollout.reward")
+        self.generate_fn: GenerateFn | None = plugins.load("rollout.generate", ro.generate) if ro.generate else None
+        self.agent_fn = plugins.load("rollout.agent", ro.agent) if ro.agent else None
+        self.reward_fn = reward_fn or plugins.load("rollout.reward", ro.reward,
+                                                    sandbox=bool(recipe.sandbox.backend))
         self.reward_takes_sandbox = takes_sandbox(self.reward_fn)
         self.pool = None
         self.sessions = None

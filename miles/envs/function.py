@@ -40,8 +40,6 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import inspect
-import pkgutil
 import time
 import traceback
 from dataclasses import dataclass
@@ -49,6 +47,7 @@ from typing import Any, Awaitable, Callable
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
+from miles import plugins
 from miles.engines.sampling_params import sampling_params
 from miles.rl.data import Prompt
 from miles.rl.rewards import check_reward
@@ -109,22 +108,7 @@ class RolloutContext:
 
 def load_rollout_function(path: str) -> RolloutFn:
     """`module:function` -> the function, checked against the contract (errors name the key)."""
-    where = f"rollout.function = {path!r}"
-    if ":" not in path:
-        raise ValueError(f"{where}: expected 'module:function'")
-    try:
-        fn = pkgutil.resolve_name(path)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{where}: cannot load it: {type(e).__name__}: {e}") from None
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"{where}: expected `async def rollout(ctx, n_groups) -> list[Group]`, "
-                         f"got {fn!r}")
-    try:
-        inspect.signature(fn).bind(None, 0)
-    except TypeError:
-        raise ValueError(f"{where}: wrong signature {inspect.signature(fn)}: expected "
-                         f"(ctx, n_groups)") from None
-    return fn
+    return plugins.load("rollout.function", path)
 
 
 async def default_group(worker, prompt: Prompt, attempt: int = 0) -> Group:

@@ -2,7 +2,8 @@
 
 Contract: `async def reward(sample) -> float | dict[str, float]` (a plain function works too),
 or, with `rollout.reward_batched = true`, `async def reward(samples) -> list[...]` called once per
-group (for reward models that batch). The sample carries `response` (decoded text), `label`,
+group (for reward models that batch); the contract and the loader are `miles.plugins`
+(`rollout.reward`), which names the built-ins below. The sample carries `response` (decoded text), `label`,
 `prompt` and `metadata`.
 
 Design decisions:
@@ -15,7 +16,6 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import re
 from typing import Any, Callable
@@ -60,25 +60,6 @@ def first_answer(sample) -> float:
         raise ValueError("first_answer needs a label")
     numbers = _NUMBER.findall(sample.response)
     return float(bool(numbers) and numbers[0] == sample.label.strip())
-
-
-BUILTIN = {"exact_match": exact_match, "math": math_answer, "first_answer": first_answer}
-
-
-def load_function(spec: str, what: str) -> Callable[..., Any]:
-    """`name` of a built-in or `module:function`; errors name the recipe key."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"{what} = {spec!r}: expected one of {sorted(BUILTIN)} or 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} = {spec!r}: cannot load it: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"{what} = {spec!r}: not callable")
-    return fn
 
 
 async def call_maybe_async(fn: Callable, *args) -> Any:

@@ -16,7 +16,7 @@ import msgspec
 
 from miles.config import ActorSpec, RestartPolicy
 from miles.rl.data import FileSource
-from miles.rl.rewards import load_function
+from miles import plugins
 
 
 
@@ -57,7 +57,7 @@ def tokenizer_for(model_path: str):
 def make_source(recipe, split: str = "train"):
     data = recipe.data
     if data.source and split == "train":
-        return load_function(data.source, "data.source")(recipe)
+        return plugins.load("data.source", data.source)(recipe)
     path = {"train": data.path, "eval": data.eval_path, "sft": data.sft_path}[split]
     if not path:
         raise ValueError(f"data.{'path' if split == 'train' else split + '_path'}: not set "

@@ -42,7 +42,8 @@ import random
 import string
 import sys
 from pathlib import Path
-from pkgutil import resolve_name
+
+from miles import plugins
 
 
 def _sort_digits() -> list[tuple[str, str]]:
@@ -130,28 +131,14 @@ def transcript(row: dict) -> list[dict]:
 
 def sft_rows(rows: list[dict], family: str = "qwen3", transcript=transcript) -> list[dict]:
     """One prompt/label row per assistant turn of each row's correct transcript (`transcript(row)`
-    -> OpenAI messages; turns marked `"unparsed"` are context, never a label). The terminal task
-    set passes its own transcripts."""
+    -> OpenAI messages; turns marked `"unparsed"` are context, never a label), through the one
+    transcript->SFT path (`miles.tito.sft`). The terminal task set passes its own transcripts."""
     from miles.envs.tool_agent import tool_specs
-    from miles.tito.families import get_family
-    from miles.tito.messages import parse_openai_messages, parse_openai_tools
+    from miles.tito.sft import transcript_rows
 
-    fam = get_family(family)
-    out = []
-    for row in rows:
-        turns = transcript(row)
-        messages = parse_openai_messages([{k: v for k, v in m.items() if k != "unparsed"} for m in turns])
-        meta = row["metadata"]
-        tools = parse_openai_tools(tool_specs(meta["tools"])) if meta.get("declare_tools", True) else None
-        for k, m in enumerate(messages):
-            if m.role != "assistant" or turns[k].get("unparsed"):
-                continue
-            label = fam.generation_text(m)
-            if not label.endswith(fam.end_of_turn):
-                raise ValueError(f"family {family!r}: an assistant turn does not end with {fam.end_of_turn!r}")
-            out.append({"prompt": fam.render(messages[:k], tools, 0, True),
-                        "label": label[: -len(fam.end_of_turn)]})
-    return out
+    return transcript_rows(((transcript(row), tool_specs(row["metadata"]["tools"])
+                             if row["metadata"].get("declare_tools", True) else None) for row in rows),
+                           family)
 
 
 TASKS = {"sort_digits": _sort_digits, "addition": _addition, "find_file": find_file_rows,
@@ -167,7 +154,7 @@ def make_task(out_dir: str | Path, kind: str = "sort_digits", *, seed: int = 0,
     "sft": rows (optional)}`, each row a dict with prompt/label/metadata, made reproducibly from
     the seed."""
     if ":" in kind:
-        return _write_splits(Path(out_dir), kind, seed, lambda: resolve_name(kind)(seed=seed, test_frac=test_frac))
+        return _write_splits(Path(out_dir), kind, seed, lambda: plugins.load("data.task", kind)(seed=seed, test_frac=test_frac))
     if kind not in TASKS:
         raise ValueError(f"data.task = {kind!r}: expected one of {sorted(TASKS)}")
     return _write_splits(Path(out_dir), kind, seed, lambda: _builtin_splits(kind, seed, test_frac))

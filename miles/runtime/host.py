@@ -33,6 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
+from miles import plugins
 from miles.runtime.actor import Actor
 from miles.runtime.refs import Runtime, run_event_loop
 from miles.config import recipe_from_json
@@ -40,23 +41,9 @@ from miles.config import recipe_from_json
 log = logging.getLogger(__name__)
 
 
-def load_class(path: str, base: type = Actor) -> type:
-    """Import `module:Class` and check it subclasses `base`; errors name the path."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"class path {path!r}: expected 'module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"class path {path!r}: cannot import module {module_name!r}: {e}") from None
-    obj = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ValueError(f"class path {path!r}: module {module_name!r} has no {attr!r}")
-    if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise ValueError(f"class path {path!r}: {obj!r} is not a subclass of {base.__name__}")
-    return obj
+def load_class(path: str, role: str = "<role>") -> type:
+    """Import `module:Class`, checked against the `actors.<role>.class` contract."""
+    return plugins.load(f"actors.{role}.class", path)
 
 
 async def host(actor: Actor, runtime: Runtime, bind_host: str) -> int:
@@ -151,7 +138,7 @@ def main() -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                             stream=sys.stdout)
         try:
-            cls = load_class(cls_path)
+            cls = load_class(cls_path, env.get("MILES_ACTOR_ROLE") or name)
         except ValueError as e:
             print(f"error: {e}", flush=True)
             return 1

@@ -1,7 +1,8 @@
 """Backends by name: a recipe says `sandbox.backend = "bwrap"` and gets one.
 
 Design decisions:
-- Entries are import paths, resolved on first use, so `import miles.sandboxes` never imports a
+- Entries are import paths (the built-ins of `sandbox.backend` in `miles.plugins`), resolved
+  and checked against the contract on first use, so `import miles.sandboxes` never imports a
   cloud SDK (or fails because one is missing).
 - Users add their own with `register_backend("mine", "my_pkg.sandbox:MyBackend")`, the same
   import-path convention as every other plug-in point.
@@ -10,22 +11,14 @@ Design decisions:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
+from miles import plugins
 from miles.sandboxes.base import Backend, SandboxSpecError
 
-_BACKENDS: dict[str, str] = {
-    "subprocess": "miles.sandboxes.local:SubprocessBackend",
-    "local": "miles.sandboxes.local:SubprocessBackend",
-    "bwrap": "miles.sandboxes.bwrap:BwrapBackend",
-    "docker": "miles.sandboxes.docker:DockerBackend",
-    "daytona": "miles.sandboxes.daytona:DaytonaBackend",
-    "e2b": "miles.sandboxes.e2b:E2BBackend",
-    "agentenv": "miles.sandboxes.e2b:AgentEnvBackend",
-    "modal": "miles.sandboxes.modal:ModalBackend",
-}
+# the names of `sandbox.backend`: the built-ins of its contract, and what register_backend adds
+_BACKENDS: dict[str, Any] = plugins.builtins("sandbox.backend")
 
 
 def register_backend(name: str, target: str | type[Backend]) -> None:
@@ -44,11 +37,7 @@ def backend_class(name: str) -> type[Backend]:
     if name not in _BACKENDS:
         raise SandboxSpecError(f"sandbox backend {name!r} is unknown: expected one of "
                                f"{backend_names()}")
-    target: Any = _BACKENDS[name]
-    if isinstance(target, str):
-        module_name, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module_name), attr)
-    return target
+    return plugins.load("sandbox.backend", name)
 
 
 def accepted_options(cls: type) -> list[str] | None:

@@ -1,7 +1,7 @@
 """make_transport: the one place a `weights.transport` name becomes a transport object.
 
 Design decisions:
-- Transports are imported lazily: the CUDA IPC or delta code is not loaded by a run that uses
+- Transports are imported lazily, by the class `miles.plugins` names for `weights.transport`: the CUDA IPC or delta code is not loaded by a run that uses
   NCCL, and `miles.weights` stays cheap to import (the embedded engine imports parts of it).
 - The trainer rank decides who sends: trainer rank 0 for nccl, disk and disk_delta (the others
   still gather, collectively, and drop the tensors); every rank for colocated (each feeds the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles import plugins
 from miles.weights.base import WeightTransport
 from miles.weights.config import WeightsConfig
 
@@ -33,24 +34,15 @@ def make_transport(config: WeightsConfig, *, rank: Any = 0, world_size: int | No
     if model_path is None and recipe is not None:
         model_path = getattr(getattr(recipe, "train", None), "model_path", None) or None
     name = config.transport
-    if name == "nccl":
-        from miles.weights.nccl import NcclTransport
-        transport: WeightTransport = NcclTransport(config, is_sender=r == 0)
-    elif name == "colocated":
-        from miles.weights.colocated import ColocatedTransport
-        transport = ColocatedTransport(config, rank=r, world_size=world)
+    cls = plugins.load("weights.transport", name)  # the class its name is registered to
+    if name == "colocated":
+        transport: WeightTransport = cls(config, rank=r, world_size=world)
     elif name == "disk":
-        from miles.weights.disk import DiskTransport
-        transport = DiskTransport(config, source_dir=model_path, is_sender=r == 0)
-    elif name == "disk_delta":
-        from miles.weights.disk_delta import DiskDeltaTransport
-        transport = DiskDeltaTransport(config, is_sender=r == 0)
+        transport = cls(config, source_dir=model_path, is_sender=r == 0)
     elif name == "p2p":
-        from miles.weights.p2p import P2PTransport
-        transport = P2PTransport.for_engines(config, rank=r, world_size=world)
-    else:
-        raise ValueError(f"weights.transport={name!r} is not one of nccl, colocated, disk, "
-                         "disk_delta, p2p")
+        transport = cls.for_engines(config, rank=r, world_size=world)
+    else:  # nccl, disk_delta
+        transport = cls(config, is_sender=r == 0)
     quant = getattr(recipe, "quant", None)
     if name == "p2p" and quant is not None and quant.format is not None:
         raise ValueError(f"weights.transport='p2p' with quant.format={quant.format!r}: quantized "

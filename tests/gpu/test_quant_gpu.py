@@ -104,10 +104,9 @@ def test_fsdp_backend_trains_in_fp8():
     from miles.backends import RankInfo, make_backend
     from miles.backends.config import TrainConfig
     from miles.quant.config import QuantConfig
-    from miles.quant.train import training_transform
     from miles.tiny import build_tiny_model
     backend = make_backend("fsdp")
-    backend.lm_transform = training_transform(QuantConfig(train="fp8"))
+    backend.quantize_training(QuantConfig(train="fp8"))
     backend.init(TrainConfig(model_path=str(build_tiny_model(arch="qwen3")), param_dtype="bfloat16",
                              lr=1e-3), RankInfo(), LossConfig())
     try:

@@ -114,8 +114,7 @@ def backends_one():
     from miles.backends.config import TrainConfig
     from miles.algo.config import LossConfig
     backend = make_backend("fsdp")
-    backend.lm_transform = training_transform(QuantConfig(rollout="int4", train="int4_qat",
-                                                          int4_group_size=32))
+    backend.quantize_training(QuantConfig(rollout="int4", train="int4_qat", int4_group_size=32))
     backend.init(TrainConfig(model_path=str(build_tiny_model(arch="qwen3")), param_dtype="float32",
                              lr=1e-3), RankInfo(), LossConfig())
     try:

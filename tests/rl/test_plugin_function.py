@@ -85,11 +85,11 @@ def check_trained(out, code, log):
 
 def test_the_contract_is_checked_at_load():
     assert load_rollout_function("function_plugin:rollout").__name__ == "rollout"
-    with pytest.raises(ValueError, match="rollout.function = 'function_plugin:nope': cannot load"):
+    with pytest.raises(ValueError, match="rollout.function = 'function_plugin:nope': module 'function_plugin' has no attribute 'nope'"):
         load_rollout_function("function_plugin:nope")
     with pytest.raises(ValueError, match=r"rollout.function = 'function_plugin:not_async'.*async def"):
         load_rollout_function("function_plugin:not_async")
-    with pytest.raises(ValueError, match="expected 'module:function'"):
+    with pytest.raises(ValueError, match="expected 'module:name'"):
         load_rollout_function("function_plugin")
 
 

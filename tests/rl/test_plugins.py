@@ -11,7 +11,8 @@ import pytest
 from miles.actors.buffer import Buffer
 from miles.config import load_recipe
 from miles.rl.data import FileSource, load_rows
-from miles.rl.rewards import call_maybe_async, check_reward, load_function, math_answer
+from miles import plugins
+from miles.rl.rewards import call_maybe_async, check_reward, math_answer
 from miles.rl.sources import make_source
 from miles.wire.messages import Group, PutGroup, Sample
 
@@ -25,13 +26,13 @@ def sample(response, label="7"):
 async def test_reward_functions_builtin_and_by_import_path():
     assert math_answer(sample("so the answer is \\boxed{7}")) == 1.0
     assert math_answer(sample("I think 3, no wait, 7")) == 1.0
-    assert load_function("first_answer", "rollout.reward")(sample("7 or 8")) == 1.0
-    fn = load_function("user_plugins:length_reward", "rollout.reward")
+    assert plugins.load("rollout.reward", "first_answer")(sample("7 or 8")) == 1.0
+    fn = plugins.load("rollout.reward", "user_plugins:length_reward")
     assert check_reward(await call_maybe_async(fn, sample("ab1")), "r") == {"len": 3.0, "has_digit": 1.0}
-    batched = load_function("user_plugins:group_reward", "rollout.reward")
+    batched = plugins.load("rollout.reward", "user_plugins:group_reward", batched=True)
     assert await call_maybe_async(batched, [sample("a"), sample("b")]) == [0.0, 1.0]
-    with pytest.raises(ValueError, match="rollout.reward = 'nope:fn': cannot load it"):
-        load_function("nope:fn", "rollout.reward")
+    with pytest.raises(ValueError, match="rollout.reward = 'nope:fn': cannot import module 'nope'"):
+        plugins.load("rollout.reward", "nope:fn")
     with pytest.raises(ValueError, match="reward must be a number"):
         check_reward("high", "rollout.reward 'x'")
 

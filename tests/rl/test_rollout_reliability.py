@@ -67,8 +67,8 @@ def worker(engine, reward="first_answer", sets=()):
     w = RolloutWorker()
     w.recipe, w.cfg, w.seed = recipe, recipe.rollout, 0
     w.client, w.tokenizer, w.source = engine, Tok(), CountingSource(recipe)
-    from miles.rl.rewards import load_function
-    w.reward_fn = load_function(reward, "rollout.reward")
+    from miles import plugins
+    w.reward_fn = plugins.load("rollout.reward", reward)
     w.semaphore = asyncio.Semaphore(8)
     w.tokenize_prompt = lambda prompt: [1, 2, 3]
     b = Buffer()

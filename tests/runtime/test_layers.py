@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("miles.wire", "miles.runtime", "miles.node", "miles.supervise", "miles.hostinfo",
                  "miles.console", "miles.seeds", "miles.tiny", "miles.sections", "miles.config",
-                 "miles.observe", "miles.episodes",
+                 "miles.observe", "miles.episodes", "miles.plugins",
                  # main's names before the runtime left miles/actors (for the before figures)
                  "miles.actors.base", "miles.actors.registry", "miles.actors.host")),
     ("rl", ("miles.actors", "miles.loop", "miles.rl", "miles.algo")),
@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "miles.tito", "miles.quant", "miles.agentic")),
     ("top", ("miles", "miles.cli", "miles.ops_cli", "miles.plan", "miles.plan_inputs",
              "miles.recipe_checks", "miles.config_doc", "miles.demo", "miles.replay", "miles.trace",
-             "miles.plugins", "miles.node.__main__")),
+             "miles.node.__main__")),
 ]
 
 # Recipe sections are data: `miles.config` mounts them all and every layer reads them, so a
@@ -79,11 +79,9 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
         "eval.mode = fleet launches its own embedded engines; an EngineFleet should own them",
     ("miles.actors.trainer", "miles.weights.publisher"):
         "the trainer hosts the publisher; to be handed one (weights.transport is a plug-in)",
-    ("miles.actors.trainer", "miles.quant.train"):
-        "quant.train's training transform; to be declared in the backend contract",
     ("miles.rl.tasks", "miles.envs.tool_agent"): "the built-in tool tasks render their prompts",
-    ("miles.rl.tasks", "miles.tito.families"): "with the chat template of a model family",
-    ("miles.rl.tasks", "miles.tito.messages"): "and its tool-call format",
+    ("miles.rl.tasks", "miles.tito.sft"):
+        "their warm-start rows, rendered with a model family's chat template and tool-call format",
 }
 
 MAX_INLINE_FRACTION = 0.10

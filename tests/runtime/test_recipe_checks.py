@@ -48,8 +48,8 @@ def refusal(text: str, overrides=()) -> str:
     # import paths and plug-in contracts
     (QUICKSTART, ["rollout.reward='no_such_module:score'"],
      "rollout.reward = 'no_such_module:score': cannot import module 'no_such_module'"),
-    (QUICKSTART, ["rollout.reward='miles.rl.rewards:load_function'"],
-     "rollout.reward = 'miles.rl.rewards:load_function': wrong signature"),
+    (QUICKSTART, ["rollout.reward='miles.rl.rewards:check_reward'"],
+     "rollout.reward = 'miles.rl.rewards:check_reward': wrong signature"),
     (QUICKSTART, ["rollout.worker='miles.actors.rollout:NoSuchWorker'"],
      "rollout.worker = 'miles.actors.rollout:NoSuchWorker': module 'miles.actors.rollout' has no "
      "attribute 'NoSuchWorker'"),

@@ -136,7 +136,7 @@ def transcript(row: dict[str, Any], recover: bool = False) -> list[dict[str, Any
     steps = episode(row["metadata"])
     if recover:
         name, args, _ = steps[0]
-        messages += [{"role": "assistant", "content": malformed(name, args)},
+        messages += [{"role": "assistant", "content": malformed(name, args), "unparsed": True},
                      {"role": "user", "content": PARSE_ERROR}]
     for i, (name, args, result) in enumerate(steps):
         messages.append({"role": "assistant", "content": None, "tool_calls": [{
@@ -149,20 +149,11 @@ def transcript(row: dict[str, Any], recover: bool = False) -> list[dict[str, Any
 def sft_rows(rows: list[dict[str, Any]], family: str = "qwen3") -> list[dict[str, Any]]:
     """One prompt/label row per well-formed assistant turn of each task's oracle transcript; every
     `RECOVERY_EVERY`-th task also gives its recovery transcript (`transcript(recover=True)`)."""
-    from miles.tito.families import get_family
-    from miles.tito.messages import parse_openai_messages, parse_openai_tools
+    from miles.tito.sft import transcript_rows
 
-    fam = get_family(family)
-    declared = parse_openai_tools(tool_specs())
-    out = []
-    for i, row in enumerate(rows):
-        tools = declared if row["metadata"].get("declare_tools", True) else None
-        variants = [False, True] if i % RECOVERY_EVERY == 0 else [False]
-        for recover in variants:
-            messages = parse_openai_messages(transcript(row, recover))
-            for k, m in enumerate(messages):
-                if m.role == "assistant" and m.tool_calls:   # never train the malformed call
-                    label = fam.generation_text(m)
-                    out.append({"prompt": fam.render(messages[:k], tools, 0, True),
-                                "label": label[: -len(fam.end_of_turn)]})
-    return out
+    specs = tool_specs()
+    return transcript_rows(((transcript(row, recover), specs if row["metadata"].get("declare_tools", True)
+                             else None)
+                            for i, row in enumerate(rows)
+                            for recover in ([False, True] if i % RECOVERY_EVERY == 0 else [False])),
+                           family)

@@ -1,8 +1,8 @@
 """Plug-ins that fail on purpose, loaded by import path in the reliability tests."""
 
-from miles.rl.rewards import load_function
+from miles import plugins
 
-_first_answer = load_function("first_answer", "rollout.reward")
+_first_answer = plugins.load("rollout.reward", "first_answer")
 
 
 def first_attempt_fails(sample):
