@@ -14,7 +14,7 @@ Design decisions:
 - This module sits at the bottom layer, beside the config, so every loader may read it whatever
   its own layer. It therefore names base classes and built-ins by import path, like a recipe
   does, and imports them only when a value is checked.
-- A built-in name is checked by membership; `tests/runtime/test_plugins.py` loads every
+- A built-in name is checked by membership; `tests/runtime/test_plugin_contracts.py` loads every
   built-in of every contract, so `miles check` does not pay torch's import to check
   `train.backend = "fsdp"`.
 - Errors are `RecipeError`s (a `ValueError`) of the recipe's one shape.
