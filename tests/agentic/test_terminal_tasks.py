@@ -236,8 +236,10 @@ async def test_harbor_path_builds_the_environment_and_verifies(splits, base_dir,
 @pytest.fixture(scope="module", params=["cpu", "brief"])
 def cpu_splits(request, tmp_path_factory):
     """The CPU set, and the same tasks told briefly (`terminal_tasks_brief`)."""
-    make = terminal_tasks_cpu if request.param == "cpu" else terminal_tasks_brief
-    return make(seed=0, out_dir=tmp_path_factory.mktemp(f"terminal-tasks-{request.param}"))
+    out = tmp_path_factory.mktemp(f"terminal-tasks-{request.param}")
+    if request.param == "brief":   # its first 400 (the split is by task: 300 / 100 as well)
+        return terminal_tasks_brief(seed=0, out_dir=out, n=N_TASKS_CPU)
+    return terminal_tasks_cpu(seed=0, out_dir=out)
 
 
 def test_cpu_set_is_graded_and_its_transcripts_copy_what_was_shown(cpu_splits):
@@ -292,8 +294,12 @@ async def test_cpu_set_oracle_scores_one_and_null_zero_on_a_sample(cpu_splits, b
 
 def test_brief_set_is_the_cpu_sets_tasks_in_a_few_words(tmp_path):
     """The brief set: the CPU set's tasks (same files, checks, split), each prompt a few words and a
-    one-line system prompt (~100 tokens with the tiny tokenizer, against ~340)."""
-    cpu, brief = terminal_tasks_cpu(seed=0, out_dir=tmp_path / "c"), terminal_tasks_brief(seed=0, out_dir=tmp_path / "b")
+    one-line system prompt (~100 tokens with the tiny tokenizer, against ~340); 2,000 of them by
+    default (1,500 train)."""
+    brief = terminal_tasks_brief(seed=0, out_dir=tmp_path / "b")
+    assert (len(brief["train"]), len(brief["test"])) == (1500, 500)
+    cpu, brief = terminal_tasks_cpu(seed=0, out_dir=tmp_path / "c"), terminal_tasks_brief(seed=0, out_dir=tmp_path / "b",
+                                                                                          n=N_TASKS_CPU)
     for split in ("train", "test"):
         assert [(r["metadata"]["task_name"], r["metadata"]["files"]) for r in cpu[split]] == \
             [(r["metadata"]["task_name"], r["metadata"]["files"]) for r in brief[split]]
@@ -307,5 +313,5 @@ def test_brief_set_is_the_cpu_sets_tasks_in_a_few_words(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_brief_set_oracle_scores_one_and_null_zero_on_every_task(tmp_path, base_dir):
-    brief = terminal_tasks_brief(seed=0, out_dir=tmp_path / "b")
+    brief = terminal_tasks_brief(seed=0, out_dir=tmp_path / "b", n=N_TASKS_CPU)
     assert await check_rows(brief["train"] + brief["test"], "subprocess", base_dir) == []

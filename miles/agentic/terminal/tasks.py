@@ -279,11 +279,15 @@ def terminal_tasks_cpu(seed: int = 0, test_frac: float = 0.25, out_dir: str | Pa
                           task_set="cpu")
 
 
-def terminal_tasks_brief(seed: int = 0, test_frac: float = 0.25, out_dir: str | Path | None = None
-                         ) -> dict[str, list[dict]]:
-    """`terminal_tasks_cpu`'s tasks told in a few words ("Replace fuvu-db7 with beve-db52 in
+N_TASKS_BRIEF = 2000
+
+
+def terminal_tasks_brief(seed: int = 0, test_frac: float = 0.25, out_dir: str | Path | None = None,
+                         n: int = N_TASKS_BRIEF) -> dict[str, list[dict]]:
+    """The CPU set's families told in a few words ("Replace fuvu-db7 with beve-db52 in
     etc/*.conf."), a one-line system prompt, commands with relative paths: a prompt is ~100 tokens
-    of the tiny tokenizer instead of ~340, which a 2-layer model conditions on (it did not on the
-    long ones: held-out 0 after 300 warm-start steps)."""
-    return terminal_tasks(seed, test_frac, n=N_TASKS_CPU, out_dir=out_dir, declare_tools=False,
-                          task_set="brief")
+    of the tiny tokenizer instead of ~340. And 1,500 train tasks, not 300: with 300 the 2-layer model
+    learned every command's shape and memorised the names of the train set (greedy held-out and
+    train commands alike carried train names after 200 warm-start steps) instead of copying
+    them; find_file, which it learns to copy, has 3,000 (task i is the CPU set's task i)."""
+    return terminal_tasks(seed, test_frac, n=n, out_dir=out_dir, declare_tools=False, task_set="brief")
