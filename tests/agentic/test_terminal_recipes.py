@@ -96,14 +96,19 @@ def closed_cleanly(out: Path) -> None:
 def test_terminal_cpu_runs_three_rl_steps_with_verifier_rewards(tmp_path):
     out = tmp_path / "terminal-cpu"
     # a short warm-start: the tool-call format starts to show; rewards are mostly 0 at 3 steps
+    # buffer.filter none: after 20 warm-start steps every group's rewards are 0 (no std to keep)
     code, log = run_recipe(out, ["loop.num_steps=3", "loop.eval_every=3", "sft.steps=20", "sft.batch_size=8",
-                                 "sft.until_heldout=0", "eval.samples_per_prompt=2", "eval.n_prompts=12"],
+                                 "sft.until_heldout=0", "eval.samples_per_prompt=2", "eval.n_prompts=12",
+                                 "loop.groups_per_step=2", "rollout.n_samples_per_prompt=4",
+                                 "buffer.filter='none'"],
                            timeout_s=850)
     assert code == 0, log[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(0.0 <= r["rollout/reward"] <= 1.0 for r in train), train   # the verifier's 0/1, averaged
+    # KL to the warm start: 0 before the first update, logged with entropy and ppo_kl
+    assert abs(train[0]["train/ref_kl"]) < 1e-4 and all("train/entropy" in r and "train/ppo_kl" in r for r in train)
     actors = [r for r in rows if r["kind"] == "actors"]
     last = actors[-1]
     assert last["episode/count"] >= 3 * 2 * 4 and last["episode/failed"] == 0, last   # no verifier error
@@ -113,7 +118,14 @@ def test_terminal_cpu_runs_three_rl_steps_with_verifier_rewards(tmp_path):
     for r in evals.values():
         assert (r["eval/n"], r["eval/k"]) == (12.0, 2.0) and 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0, r
     data = out / "data"
-    assert sum(1 for _ in open(data / "train.jsonl")) == 300 and sum(1 for _ in open(data / "test.jsonl")) == 100
+    assert sum(1 for _ in open(data / "train.jsonl")) == 1500 and sum(1 for _ in open(data / "test.jsonl")) == 500
+    # the brief set's prompts: system prompt and task in ~100 tokens (the first turn's prompt)
+    from miles.tiny import build_tokenizer
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer()))
+    sft = [json.loads(line) for line in open(data / "sft.jsonl")]
+    first = [len(tok(r["prompt"])["input_ids"]) for r in sft if r["prompt"].count("<|im_start|>") == 3]
+    assert max(first) < 128 and sum(first) / len(first) < 100, (max(first), sum(first) / len(first))
     closed_cleanly(out)
 
 

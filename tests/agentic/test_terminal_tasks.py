@@ -23,7 +23,7 @@ from miles.agentic.terminal.families import (COINED, COINED_HELDOUT, COINED_TRAI
                                              FAMILIES, HELDOUT_CITIES, HELDOUT_SERVICES, HELDOUT_WORDS, WORK,
                                              TaskRng)
 from miles.agentic.terminal.tasks import (N_TASKS, N_TASKS_CPU, ensure_task, generate, terminal_tasks,
-                                          terminal_tasks_cpu, transcript)
+                                          terminal_tasks_brief, terminal_tasks_cpu, transcript)
 from miles.envs.context import EpisodeStats, LazySandbox, sandbox_spec
 from miles.sandboxes.config import SandboxConfig
 from miles.sandboxes import SandboxPool, get_backend
@@ -100,12 +100,12 @@ def test_sft_rows_are_the_oracle_transcripts(splits):
 TOKEN = re.compile(r"[A-Za-z]+|[0-9]+")
 
 
-def family_vocabulary(family, draws: int = 60) -> set[str]:
+def family_vocabulary(family, draws: int = 60, attr: str = "solve") -> set[str]:
     """The words of a family's commands that do not depend on the task: those in at least a
     quarter of its solve.sh over many draws (awk, sort, a flag). A task's own names and numbers
     are rarer (each pool word is in a few percent)."""
     seen = collections.Counter(t for i in range(draws)
-                               for t in set(TOKEN.findall(family(TaskRng(f"vocab-{i}")).solve)))
+                               for t in set(TOKEN.findall(getattr(family(TaskRng(f"vocab-{i}")), attr))))
     return {t for t, c in seen.items() if c >= draws / 4}
 
 
@@ -233,21 +233,27 @@ async def test_harbor_path_builds_the_environment_and_verifies(splits, base_dir,
         await backend.close()
 
 
-@pytest.fixture(scope="module")
-def cpu_splits(tmp_path_factory):
-    return terminal_tasks_cpu(seed=0, out_dir=tmp_path_factory.mktemp("terminal-tasks-cpu"))
+@pytest.fixture(scope="module", params=["cpu", "brief"])
+def cpu_splits(request, tmp_path_factory):
+    """The CPU set, and the same tasks told briefly (`terminal_tasks_brief`)."""
+    out = tmp_path_factory.mktemp(f"terminal-tasks-{request.param}")
+    if request.param == "brief":   # its first 400 (the split is by task: 300 / 100 as well)
+        return terminal_tasks_brief(seed=0, out_dir=out, n=N_TASKS_CPU)
+    return terminal_tasks_cpu(seed=0, out_dir=out)
 
 
 def test_cpu_set_is_graded_and_its_transcripts_copy_what_was_shown(cpu_splits):
     """The CPU recipe's set: the ten fixed-shape families, each in both splits, every row graded,
     and every transcript argument a family command word or copied from the prompt."""
     rows = all_rows(cpu_splits)
+    task_set = rows[0]["metadata"]["task_set"]
     assert (len(cpu_splits["train"]), len(cpu_splits["test"])) == (N_TASKS_CPU - 100, 100)
     assert {r["metadata"]["family"] for r in cpu_splits["test"]} == set(DIFFICULTY) == \
         {f(TaskRng("name")).family for f in CPU_FAMILIES}
     assert all(r["metadata"]["eval_groups"] == [r["metadata"]["family"], DIFFICULTY[r["metadata"]["family"]]]
-               and r["metadata"]["task_set"] == "cpu" and not r["metadata"]["declare_tools"] for r in rows)
-    vocab = {f(TaskRng("name")).family: family_vocabulary(f) for f in CPU_FAMILIES}
+               and r["metadata"]["task_set"] == task_set and not r["metadata"]["declare_tools"] for r in rows)
+    attr = "brief_solve" if task_set == "brief" else "solve"
+    vocab = {f(TaskRng("name")).family: family_vocabulary(f, attr=attr) for f in CPU_FAMILIES}
     for r in rows:
         seen = set()
         for m in transcript(r):
@@ -284,3 +290,28 @@ def test_cpu_set_held_out_tasks_name_only_held_out_coined_names(cpu_splits, tmp_
 async def test_cpu_set_oracle_scores_one_and_null_zero_on_a_sample(cpu_splits, base_dir):
     families = {r["metadata"]["family"]: r for r in cpu_splits["test"][:40] + cpu_splits["train"][:40]}
     assert await check_rows(list(families.values()), "subprocess", base_dir) == []
+
+
+def test_brief_set_is_the_cpu_sets_tasks_in_a_few_words(tmp_path):
+    """The brief set: the CPU set's tasks (same files, checks, split), each prompt a few words and a
+    one-line system prompt (~100 tokens with the tiny tokenizer, against ~340); 2,000 of them by
+    default (1,500 train)."""
+    brief = terminal_tasks_brief(seed=0, out_dir=tmp_path / "b")
+    assert (len(brief["train"]), len(brief["test"])) == (1500, 500)
+    cpu, brief = terminal_tasks_cpu(seed=0, out_dir=tmp_path / "c"), terminal_tasks_brief(seed=0, out_dir=tmp_path / "b",
+                                                                                          n=N_TASKS_CPU)
+    for split in ("train", "test"):
+        assert [(r["metadata"]["task_name"], r["metadata"]["files"]) for r in cpu[split]] == \
+            [(r["metadata"]["task_name"], r["metadata"]["files"]) for r in brief[split]]
+    assert max(len(r["prompt"]) for r in brief["train"] + brief["test"]) <= 90
+    assert len(brief["train"][0]["metadata"]["system"]) < 60
+    for c, b in zip(cpu["train"], brief["train"]):
+        checks = lambda r: (Path(r["metadata"]["task_dir"]) / "tests" / "test.sh").read_text()
+        assert checks(c) == checks(b) and len(b["prompt"]) < len(c["prompt"]) / 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_brief_set_oracle_scores_one_and_null_zero_on_every_task(tmp_path, base_dir):
+    brief = terminal_tasks_brief(seed=0, out_dir=tmp_path / "b", n=N_TASKS_CPU)
+    assert await check_rows(brief["train"] + brief["test"], "subprocess", base_dir) == []

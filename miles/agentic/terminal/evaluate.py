@@ -134,13 +134,13 @@ async def serve_session(engine_url: str, tokenizer: str, family: str = "qwen3"):
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, float]:
-    from miles.agentic.terminal.tasks import terminal_tasks, terminal_tasks_cpu
+    from miles.agentic.terminal.tasks import terminal_tasks, terminal_tasks_brief, terminal_tasks_cpu
     from miles.engines.embedded import launch_embedded_engine
     from miles.envs.agent import load_agent
     from miles.sandboxes.hostfs import default_base_dir
 
-    if args.task_set == "cpu":   # the CPU recipe's set (compact, its own test fraction)
-        rows = terminal_tasks_cpu(seed=args.seed)["test"]
+    if args.task_set in ("cpu", "brief"):   # the CPU sets (compact, their own test fraction)
+        rows = (terminal_tasks_cpu if args.task_set == "cpu" else terminal_tasks_brief)(seed=args.seed)["test"]
     else:
         rows = terminal_tasks(seed=args.seed, test_frac=args.test_frac, declare_tools=not args.compact)["test"]
     rows = rows[: args.n_tasks] if args.n_tasks else rows
@@ -184,8 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-frac", type=float, default=0.25)
     p.add_argument("--n-tasks", type=int, default=0, help="the first N held-out tasks (0: all)")
     p.add_argument("--compact", action="store_true", help="no tool schemas (terminal_tasks_compact rows)")
-    p.add_argument("--task-set", choices=("all", "cpu"), default="all",
-                   help="cpu: terminal_tasks_cpu's held-out rows (the CPU recipe's data.task)")
+    p.add_argument("--task-set", choices=("all", "cpu", "brief"), default="all",
+                   help="cpu: terminal_tasks_cpu's held-out rows; brief: terminal_tasks_brief's (the CPU "
+                        "recipe's data.task)")
     p.add_argument("--agent", default="miles.agentic.terminal.agent:agent",
                    help="a rollout.agent import path (the oracle_agent checks the path: pass@k 1.0)")
     p.add_argument("--backend", default="subprocess")

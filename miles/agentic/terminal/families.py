@@ -73,6 +73,10 @@ class TaskParts:
     solve: str                         # solution/solve.sh body (bash)
     checks: list[str]                  # bash lines of tests/test.sh, after the helpers
     tags: list[str] = field(default_factory=list)
+    # the "brief" task set's instruction and command: the same task in a few words, paths relative
+    # to WORK (the sandbox's workdir); "" for the families outside CPU_FAMILIES
+    brief: str = ""
+    brief_solve: str = ""
 
 
 class TaskRng(random.Random):
@@ -103,6 +107,11 @@ def _dir(rng: TaskRng, fixed: tuple[str, ...]) -> str:
     return fixed[0] if len(fixed) == 1 else rng.choice(fixed)
 
 
+def rel(path: str) -> str:
+    """A path under WORK as the brief set writes it: relative to the workdir."""
+    return path.removeprefix(WORK + "/")
+
+
 def _heredoc(path: str, text: str, tag: str = "MILES_EXPECTED") -> str:
     """`same PATH` fed the expected text through a quoted heredoc (no expansion)."""
     assert tag not in text
@@ -127,7 +136,10 @@ def grep_count(rng: random.Random) -> TaskParts:
         f"and nothing else, to `{WORK}/answer.txt`.",
         {path: "\n".join(lines) + "\n"},
         f"awk '$2 == \"{level}\"' {path} | wc -l > {WORK}/answer.txt",
-        [f"same_word {WORK}/answer.txt {count}"], ["text", "grep"])
+        [f"same_word {WORK}/answer.txt {count}"], ["text", "grep"],
+        # the level is the only upper-case word of a line: the second field, between spaces
+        f"Count the {level} lines of {rel(path)} into answer.txt.",
+        f"grep -c ' {level} ' {rel(path)} > answer.txt")
 
 
 def sort_unique(rng: random.Random) -> TaskParts:
@@ -146,7 +158,9 @@ def sort_unique(rng: random.Random) -> TaskParts:
         f"(as `LC_ALL=C sort{' -r' if reverse else ''}` does), one per line, to `{dst}`.",
         {src: "\n".join(words) + "\n"},
         f"LC_ALL=C sort -u{' -r' if reverse else ''} {src} > {dst}",
-        [_heredoc(dst, want)], ["text", "sort"])
+        [_heredoc(dst, want)], ["text", "sort"],
+        f"Sort the distinct words of {rel(src)}{' in reverse' if reverse else ''} into {rel(dst)}.",
+        f"LC_ALL=C sort -u{' -r' if reverse else ''} {rel(src)} > {rel(dst)}")
 
 
 def top_value(rng: random.Random) -> TaskParts:
@@ -190,7 +204,10 @@ def column_sum(rng: random.Random) -> TaskParts:
         f"item is `{item}`, and nothing else, to `{WORK}/answer.txt`.",
         {path: body},
         f"awk -F, 'NR > 1 && $2 == \"{item}\" {{s += $3}} END {{print s}}' {path} > {WORK}/answer.txt",
-        [f"same_word {WORK}/answer.txt {total}"], ["text", "awk"])
+        [f"same_word {WORK}/answer.txt {total}"], ["text", "awk"],
+        # no item is named "item": the header row never matches
+        f"Sum the qty of item {item} in orders.csv into answer.txt.",
+        f"awk -F, '$2 == \"{item}\" {{s += $3}} END {{print s}}' orders.csv > answer.txt")
 
 
 def sed_replace(rng: random.Random) -> TaskParts:
@@ -214,7 +231,8 @@ def sed_replace(rng: random.Random) -> TaskParts:
         "sed-replace",
         f"The database host `{old}` was renamed `{new}`. Replace every occurrence of `{old}` with `{new}` "
         f"in all `.conf` files under `{WORK}/etc`. Do not change any other file or line.",
-        files, f"sed -i 's/{old}/{new}/g' {WORK}/etc/*.conf", checks, ["text", "sed"])
+        files, f"sed -i 's/{old}/{new}/g' {WORK}/etc/*.conf", checks, ["text", "sed"],
+        f"Replace {old} with {new} in etc/*.conf.", f"sed -i s/{old}/{new}/g etc/*.conf")
 
 
 def fix_config(rng: random.Random) -> TaskParts:
@@ -263,7 +281,8 @@ def archive_create(rng: random.Random) -> TaskParts:
         "archive-create",
         f"Make a {'gzip-compressed' if gz else 'plain (uncompressed)'} tar archive `{out}` of the directory "
         f"`{WORK}/{d}`, with member paths relative to `{WORK}` (they start with `{d}/`).",
-        files, f"cd {WORK} && tar -c{z}f {out} {d}", checks, ["archive", "tar"])
+        files, f"cd {WORK} && tar -c{z}f {out} {d}", checks, ["archive", "tar"],
+        f"Tar {d} into {rel(out)}.", f"tar -c{z}f {rel(out)} {d}")   # .gz in the name: compressed
 
 
 def _ascii_tar(members: dict[str, str]) -> str:
@@ -310,7 +329,8 @@ def permissions(rng: random.Random) -> TaskParts:
         f"chmod {mode} {sp} && chmod 600 {kp}",
         [f"[ \"$(stat -c %a {sp})\" = {mode} ] || fail \"mode of {sp} is $(stat -c %a {sp})\"",
          f"[ \"$(stat -c %a {kp})\" = 600 ] || fail \"mode of {kp} is $(stat -c %a {kp})\"",
-         f"[ \"$({sp})\" = {word} ] || fail '{sp} does not run'"], ["permissions"])
+         f"[ \"$({sp})\" = {word} ] || fail '{sp} does not run'"], ["permissions"],
+        f"Set mode {mode} on {rel(sp)} and 600 on {rel(kp)}.", f"chmod {mode} {rel(sp)} && chmod 600 {rel(kp)}")
 
 
 def _tree(rng: random.Random, root: str) -> dict[str, str]:
@@ -379,7 +399,9 @@ def rename_ext(rng: random.Random) -> TaskParts:
         "rename-ext",
         f"Rename every `.{src}` file in `{d}` to the same name with the extension `.{dst}` (so `a.{src}` "
         f"becomes `a.{dst}`). Leave the other files alone.",
-        files, f"cd {d} && for f in *.{src}; do mv \"$f\" \"${{f%.{src}}}.{dst}\"; done", checks, ["files"])
+        files, f"cd {d} && for f in *.{src}; do mv \"$f\" \"${{f%.{src}}}.{dst}\"; done", checks, ["files"],
+        f"Rename {rel(d)}/*.{src} to *.{dst}.",
+        f"cd {rel(d)} && for f in *.{src}; do mv \"$f\" \"${{f%.{src}}}.{dst}\"; done")
 
 
 def grep_which(rng: random.Random) -> TaskParts:
@@ -394,7 +416,9 @@ def grep_which(rng: random.Random) -> TaskParts:
         f"Exactly one file in `{d}` mentions `{token}`. Write its file name (without the directory), and "
         f"nothing else, to `{WORK}/answer.txt`.",
         files, f"grep -l '{token}' {d}/* | xargs -n1 basename > {WORK}/answer.txt",
-        [f"same_word {WORK}/answer.txt {target}"], ["grep", "find"])
+        [f"same_word {WORK}/answer.txt {target}"], ["grep", "find"],
+        f"Which file in {rel(d)} has {token}? Its name into answer.txt.",
+        f"cd {rel(d)} && grep -l {token} * > ../answer.txt")
 
 
 def set_difference(rng: random.Random) -> TaskParts:
@@ -415,7 +439,9 @@ def set_difference(rng: random.Random) -> TaskParts:
         f"order of `{a}`, one per line, to `{out}`.",
         {a: "\n".join(users) + "\n", b: "\n".join(shuffled) + "\n"},
         f"grep -{'' if inter else 'v'}xFf {b} {a} > {out}",
-        [_heredoc(out, "\n".join(want))], ["text", "grep"])
+        [_heredoc(out, "\n".join(want))], ["text", "grep"],
+        f"Names of {rel(a)} {'also' if inter else 'not'} in {rel(b)} into {rel(out)}.",
+        f"grep -{'' if inter else 'v'}xFf {rel(b)} {rel(a)} > {rel(out)}")
 
 
 def filter_csv(rng: random.Random) -> TaskParts:
@@ -434,7 +460,9 @@ def filter_csv(rng: random.Random) -> TaskParts:
         f"`{path}` is a CSV with the header `name,role,email`. Write the {field}s of the users whose role "
         f"is `{role}`, in file order, one per line, to `{out}`.",
         {path: body}, f"awk -F, 'NR > 1 && $2 == \"{role}\" {{print ${1 if field == 'name' else 3}}}' {path} > {out}",
-        [_heredoc(out, want)], ["text", "awk"])
+        [_heredoc(out, want)], ["text", "awk"],
+        f"The {field}s of role {role} in {rel(path)} into {rel(out)}.",
+        f"awk -F, '$2 == \"{role}\" {{print ${1 if field == 'name' else 3}}}' {rel(path)} > {rel(out)}")
 
 
 FAMILIES = (grep_count, sort_unique, top_value, column_sum, sed_replace, fix_config, archive_create,

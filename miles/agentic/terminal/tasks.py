@@ -63,11 +63,15 @@ N_TASKS = 48
 TOOLS = ["bash", "submit"]
 SYSTEM = ("You are working in a Linux shell. Run commands with the bash tool (the working directory "
           "is /workspace). When the task is done, call submit with a one-line summary.")
+# the brief set's: with its few-word instructions a prompt is ~100 tokens of the tiny tokenizer
+SYSTEM_BRIEF = "Work in /workspace with bash, then submit."
 AGENT_TIMEOUT_S = 120.0
 VERIFIER_TIMEOUT_S = 30.0
 PARSE_ERROR_FRAC = 0.25    # train tasks whose SFT also shows an unparsed call and the recovery
 # task set -> (families, names coined: `TaskRng(coined=)`); a row's metadata["task_set"]
-TASK_SETS = {"all": (FAMILIES, False), "cpu": (CPU_FAMILIES, True)}
+# "brief": the "cpu" set's very tasks (same draws, files and checks), each instruction and command
+# in a few words with paths relative to the workdir (`TaskParts.brief`, `brief_solve`)
+TASK_SETS = {"all": (FAMILIES, False), "cpu": (CPU_FAMILIES, True), "brief": (CPU_FAMILIES, True)}
 
 TEST_HEAD = """#!/bin/bash
 # Hidden verifier of {name} ({family}): reward 1 when every check passes, else 0.
@@ -123,8 +127,10 @@ def make_parts(seed: int, index: int, heldout: bool = False, task_set: str = "al
         raise ValueError(f"task_set={task_set!r}: expected one of {sorted(TASK_SETS)}")
     families, coined = TASK_SETS[task_set]
     family = families[index % len(families)]
-    tag = "" if task_set == "all" else f"{task_set}-"   # the "all" set's tasks as they always were
+    tag = {"all": "", "brief": "cpu-"}.get(task_set, f"{task_set}-")   # "all": as they always were
     parts = family(TaskRng(f"miles-terminal-{VERSION}-{tag}{seed}-{index}", heldout, coined))
+    if task_set == "brief":
+        parts.instruction, parts.solve = parts.brief, parts.brief_solve
     outside = [p for p in parts.files if not p.startswith(WORK + "/")]
     if outside:
         raise ValueError(f"family {parts.family}: files {outside} are outside {WORK}")
@@ -189,11 +195,12 @@ def generate(out_dir: str | Path, seed: int = 0, n: int = N_TASKS,
 
 
 def row(rec: TaskRecord, declare_tools: bool = True) -> dict:
-    groups = [rec.parts.family] + ([DIFFICULTY[rec.parts.family]] if rec.task_set == "cpu" else [])
+    groups = [rec.parts.family] + ([DIFFICULTY[rec.parts.family]] if rec.task_set != "all" else [])
     return {"prompt": rec.parts.instruction, "label": rec.name, "metadata": {
         "task_dir": rec.path, "task_name": rec.name, "family": rec.parts.family, "task_seed": rec.seed,
         "task_index": rec.index, "task_heldout": rec.heldout, "task_set": rec.task_set,
-        "eval_groups": groups, "files": dict(rec.parts.files), "tools": TOOLS, "system": SYSTEM,
+        "eval_groups": groups, "files": dict(rec.parts.files), "tools": TOOLS,
+        "system": SYSTEM_BRIEF if rec.task_set == "brief" else SYSTEM,
         "declare_tools": declare_tools}}
 
 
@@ -270,3 +277,17 @@ def terminal_tasks_cpu(seed: int = 0, test_frac: float = 0.25, out_dir: str | Pa
     copying, not commands to memorise."""
     return terminal_tasks(seed, test_frac, n=N_TASKS_CPU, out_dir=out_dir, declare_tools=False,
                           task_set="cpu")
+
+
+N_TASKS_BRIEF = 2000
+
+
+def terminal_tasks_brief(seed: int = 0, test_frac: float = 0.25, out_dir: str | Path | None = None,
+                         n: int = N_TASKS_BRIEF) -> dict[str, list[dict]]:
+    """The CPU set's families told in a few words ("Replace fuvu-db7 with beve-db52 in
+    etc/*.conf."), a one-line system prompt, commands with relative paths: a prompt is ~100 tokens
+    of the tiny tokenizer instead of ~340. And 1,500 train tasks, not 300: with 300 the 2-layer model
+    learned every command's shape and memorised the names of the train set (greedy held-out and
+    train commands alike carried train names after 200 warm-start steps) instead of copying
+    them; find_file, which it learns to copy, has 3,000 (task i is the CPU set's task i)."""
+    return terminal_tasks(seed, test_frac, n=n, out_dir=out_dir, declare_tools=False, task_set="brief")
