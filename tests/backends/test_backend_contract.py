@@ -38,7 +38,7 @@ def test_factory_and_megatron_stub():
     assert isinstance(backend, TrainingBackend) and backend.name == "fsdp"
     megatron = make_backend("megatron")  # constructing imports no megatron-core; init does
     assert isinstance(megatron, TrainingBackend) and megatron.name == "megatron"
-    with pytest.raises(ValueError, match="train.backend='tpu'"):
+    with pytest.raises(ValueError, match="train.backend = 'tpu': expected one of fsdp, megatron"):
         make_backend("tpu")
 
 
