@@ -66,7 +66,7 @@ from miles.backends.batch_plan import sample_owners
 from miles.backends.config import trainer_dp_layout
 from miles.rl.heal import MAX_HEALS_PER_CALL, Healer, TrainerDied, gather_or_cancel
 from miles.rl.logger import MetricsLogger
-from miles.rl.otel import step_spans, telemetry
+from miles.rl.otel import NOOP, step_spans, telemetry
 from miles.rl.provenance import ProvenanceLog
 from miles.rl.sft import EpochLoss, REPRODUCTION_ROWS, reproduction, sft_sample
 from miles.rl.sources import make_source, tokenizer_for
@@ -104,6 +104,7 @@ class LoopDriver(Actor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.drain_reason, self.drain_asked = "", asyncio.Event()
+        self.telemetry = NOOP   # logging.otel's spans, set at start (a driver built in parts has none)
 
     async def run(self) -> int:
         try:
