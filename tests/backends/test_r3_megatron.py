@@ -77,7 +77,9 @@ def test_rows_follow_the_padded_and_sequence_parallel_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", ["1,1,2", "1,2,1", "2,1,1", "1,1,1,cp2", "1,1,2,cp2"],
+# ep2 and cp2 are each inside cp2_ep2: `extended` (MILES_TEST_EXTENDED=1)
+@pytest.mark.parametrize("sizes", [pytest.param("1,1,2", marks=pytest.mark.extended), "1,2,1", "2,1,1",
+                                   pytest.param("1,1,1,cp2", marks=pytest.mark.extended), "1,1,2,cp2"],
                          ids=["ep2", "pp2", "tp2_sp", "cp2", "cp2_ep2"])
 def test_megatron_replays_the_recorded_routing(sizes, tmp_path):
     """Each layout replays every recorded (token, layer) pair. Under TP = 2 with sequence
